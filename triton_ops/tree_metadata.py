@@ -1,0 +1,206 @@
+"""Per-step tree metadata shared by every tree kernel (GDN, conv, attention).
+
+A draft tree is given per request as ``parents`` [B, N]: node ``i``'s parent is
+``parents[b, i] < i`` (topological order) or ``-1`` when the node continues
+directly from the committed state (the root; a forest has several). Requests
+may hold fewer than N nodes: ``num_nodes[b]`` counts the real ones, the rest
+is padding and is turned into isolated roots that no real node can see.
+
+Everything here depends on the topology only, so it is built once per decoding
+step and read by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BITS_PER_WORD = 64
+
+
+@dataclass(frozen=True)
+class TreeMetadata:
+    """Topology of a batch of draft trees.
+
+    Attributes:
+        parents: [B, N] int32, ``-1`` for roots and padding.
+        num_nodes: [B] int32, real nodes per request (``1 <= num_nodes <= N``).
+        valid: [B, N] bool, ``i < num_nodes[b]``.
+        depths: [B, N] int32, 0 for roots; a node's position offset.
+        ancestors: [B, N, N] bool, ``ancestors[b, i, j]`` iff ``j`` is ``i``
+            or a proper ancestor of ``i`` (the mask ``Mbar = M + I``).
+        ancestor_words: [B, N, W] int64 with W = ceil(N / 64): ``ancestors``
+            as bitsets, bit ``j % 64`` of word ``j // 64``.
+        conv_sources: [B, N, conv_width] int32. Tap ``t`` of node ``i`` reads
+            its ``t``-th ancestor (``t = 0``: itself). A value ``>= 0`` is that
+            node's index; a value ``v < 0`` means the path ran past the root
+            and the tap reads column ``conv_width - 1 + v`` of the committed
+            conv state (columns oldest to newest, ``-1`` = the newest input).
+    """
+
+    parents: torch.Tensor
+    num_nodes: torch.Tensor
+    valid: torch.Tensor
+    depths: torch.Tensor
+    ancestors: torch.Tensor
+    ancestor_words: torch.Tensor
+    conv_sources: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.parents.shape[0]
+
+    @property
+    def max_nodes(self) -> int:
+        return self.parents.shape[1]
+
+    @property
+    def conv_width(self) -> int:
+        return self.conv_sources.shape[2]
+
+    def path_mask(self, accepted_leaf: torch.Tensor) -> torch.Tensor:
+        """[B, N] bool: the nodes on the root-to-leaf path of each request.
+
+        ``accepted_leaf`` [B] holds a node index, or -1 when nothing is
+        accepted (the row is then all False).
+        """
+        check_accepted_leaf(accepted_leaf, self)
+        leaf = accepted_leaf.long().clamp(min=0)
+        rows = torch.gather(
+            self.ancestors, 1, leaf.view(-1, 1, 1).expand(-1, 1, self.max_nodes)
+        ).squeeze(1)
+        return rows & (accepted_leaf >= 0).view(-1, 1)
+
+
+def check_accepted_leaf(accepted_leaf: torch.Tensor, meta: TreeMetadata) -> None:
+    if accepted_leaf.shape != (meta.batch_size,):
+        raise ValueError(
+            f"accepted_leaf must have shape [{meta.batch_size}], "
+            f"got {list(accepted_leaf.shape)}"
+        )
+    if accepted_leaf.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"accepted_leaf must be int32 or int64, got {accepted_leaf.dtype}")
+    bad = (accepted_leaf < -1) | (accepted_leaf >= meta.num_nodes.to(accepted_leaf.device))
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"accepted_leaf[{b}] = {int(accepted_leaf[b])} is outside "
+            f"[-1, num_nodes[{b}] = {int(meta.num_nodes[b])})"
+        )
+
+
+def _validate_parents(parents: torch.Tensor, num_nodes: torch.Tensor) -> None:
+    if parents.dim() != 2:
+        raise ValueError(f"parents must be [B, N], got shape {list(parents.shape)}")
+    if parents.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"parents must be int32 or int64, got {parents.dtype}")
+    B, N = parents.shape
+    if B == 0 or N == 0:
+        raise ValueError(f"parents must have B >= 1 and N >= 1, got shape {[B, N]}")
+    if num_nodes.shape != (B,):
+        raise ValueError(f"num_nodes must have shape [{B}], got {list(num_nodes.shape)}")
+    if bool(((num_nodes < 1) | (num_nodes > N)).any()):
+        raise ValueError(f"num_nodes must lie in [1, {N}], got {num_nodes.tolist()}")
+    node = torch.arange(N, device=parents.device)
+    valid = node < num_nodes.view(-1, 1).to(parents.device)
+    out_of_range = valid & (parents < -1)
+    if bool(out_of_range.any()):
+        b, i = out_of_range.nonzero()[0].tolist()
+        raise ValueError(f"parents[{b}, {i}] = {int(parents[b, i])} is out of range (< -1)")
+    not_topological = valid & (parents >= node)
+    if bool(not_topological.any()):
+        b, i = not_topological.nonzero()[0].tolist()
+        raise ValueError(
+            "parents must be topologically ordered (parent < node): "
+            f"parents[{b}, {i}] = {int(parents[b, i])} >= {i}"
+        )
+
+
+def build_tree_metadata(
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor | None = None,
+    conv_width: int = 4,
+    validate: bool = True,
+) -> TreeMetadata:
+    """Build the layer-invariant tree metadata for one decoding step.
+
+    Args:
+        parents: [B, N] int32/int64, topological (``parents[b, i] < i``),
+            ``-1`` for nodes that continue from the committed state.
+        num_nodes: [B] int, real nodes per request; defaults to N for all.
+        conv_width: width of the causal conv that precedes GDN (taps incl.
+            the node itself).
+        validate: check the topology (one host sync); the engine skips it for
+            trees it built itself.
+
+    Runs in O(log N) vectorised steps (pointer jumping), no per-node loop.
+    """
+    B, N = parents.shape if parents.dim() == 2 else (0, 0)
+    device = parents.device
+    if num_nodes is None:
+        num_nodes = torch.full((max(B, 0),), N, dtype=torch.int32, device=device)
+    if validate:
+        _validate_parents(parents, num_nodes)
+    if conv_width < 1:
+        raise ValueError(f"conv_width must be >= 1, got {conv_width}")
+
+    node = torch.arange(N, device=device)
+    valid = node < num_nodes.view(-1, 1).to(device)
+    par = torch.where(valid, parents.long(), torch.full_like(parents, -1, dtype=torch.long))
+
+    # Pointer jumping: after step k, ``ancestors`` holds every ancestor within
+    # distance < 2^k and ``jump`` the 2^k-th ancestor (-1 past the root).
+    ancestors = torch.eye(N, dtype=torch.bool, device=device).expand(B, N, N).clone()
+    jump = par
+    batch_index = torch.arange(B, device=device).view(-1, 1)
+    for _ in range(max(1, (N - 1).bit_length())):
+        has_jump = jump >= 0
+        reached = ancestors[batch_index, jump.clamp(min=0)] & has_jump.unsqueeze(-1)
+        ancestors = ancestors | reached
+        jump = torch.where(has_jump, torch.gather(jump, 1, jump.clamp(min=0)), jump)
+    depths = ancestors.sum(-1, dtype=torch.int32) - 1
+
+    conv_sources = _conv_sources(parents, valid, depths, conv_width)
+    return TreeMetadata(
+        parents=torch.where(valid, parents, -1).to(torch.int32),
+        num_nodes=num_nodes.to(device=device, dtype=torch.int32),
+        valid=valid,
+        depths=depths,
+        ancestors=ancestors,
+        ancestor_words=pack_bitsets(ancestors),
+        conv_sources=conv_sources,
+    )
+
+
+def _conv_sources(
+    parents: torch.Tensor, valid: torch.Tensor, depths: torch.Tensor, conv_width: int
+) -> torch.Tensor:
+    B, N = parents.shape
+    par = torch.where(valid, parents.long(), -1)
+    current = torch.arange(N, device=parents.device).expand(B, N)
+    taps = [current]
+    for t in range(1, conv_width):
+        current = torch.where(current >= 0, torch.gather(par, 1, current.clamp(min=0)), current)
+        # Past the root, tap t reads the (t - depth)-th newest committed input.
+        taps.append(torch.where(current >= 0, current, depths.long() - t))
+        current = torch.where(current >= 0, current, torch.full_like(current, -1))
+    return torch.stack(taps, dim=-1).to(torch.int32)
+
+
+def pack_bitsets(mask: torch.Tensor) -> torch.Tensor:
+    """[..., N] bool -> [..., ceil(N / 64)] int64, bit ``j % 64`` of word ``j // 64``."""
+    N = mask.shape[-1]
+    words = -(-N // BITS_PER_WORD)
+    padded = torch.nn.functional.pad(mask, (0, words * BITS_PER_WORD - N))
+    bits = padded.view(*mask.shape[:-1], words, BITS_PER_WORD).long()
+    shifts = torch.arange(BITS_PER_WORD, device=mask.device)
+    # Disjoint bits: the wrapping int64 sum equals the bitwise OR.
+    return (bits << shifts).sum(-1)
+
+
+def unpack_bitsets(words: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_bitsets`."""
+    shifts = torch.arange(BITS_PER_WORD, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1
+    return bits.flatten(-2)[..., :num_bits].bool()
