@@ -3,3 +3,5 @@
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 __all__ = ["TreeMetadata", "build_tree_metadata"]
+from triton_ops.pool_logits import naive_pool_logits_log_softmax, pool_logits_log_softmax  # noqa: E402
+__all__ += ["naive_pool_logits_log_softmax", "pool_logits_log_softmax"]

@@ -1,0 +1,208 @@
+"""Log-probabilities over a candidate pool from gathered low-rank table rows.
+
+For every query row ``y`` with pool ``ids`` and base logits ``scores``:
+
+    l_k = scores_k + <table[ids_k], y>,      log q_k = l_k - logsumexp_k(l)
+
+Only the P pooled rows of ``table`` are read, never the whole vocabulary. The
+Triton form runs one program per (row, block of pool entries) to fill ``l``
+(a gather-bound dot) and one program per row to normalise it in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BACKENDS = ("auto", "triton", "torch")
+
+# The torch path gathers [rows, P, D] table entries at once; bounding the chunk
+# keeps a 512-entry pool over a 2048-wide table from allocating gigabytes.
+_TORCH_GATHER_BYTES = 64 << 20
+
+
+def pool_logits_log_softmax(
+    y: torch.Tensor,
+    table: torch.Tensor,
+    ids: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log_softmax over the pool of ``scores + <table[ids], y>``.
+
+    Args:
+        y: [R, w, D] float queries (any float dtype; products accumulate in fp32).
+        table: [V, D] float rows, e.g. ``W_q = W_lm @ lm_head_query_in.weight``.
+        ids: [R, w, P] int64 indices into ``table``, each in [0, V).
+        scores: [R, w, P] float base logits (raw target LM-head logits).
+        backend: "triton" (the kernel; CPU tensors need TRITON_INTERPRET=1),
+            "torch" (plain PyTorch), or "auto" (triton for CUDA tensors, torch
+            otherwise).
+        out: optional [R, w, P] float32 contiguous tensor to write into.
+
+    Returns:
+        [R, w, P] float32 log-probabilities; each row's exp sums to 1.
+    """
+    _check_inputs(y, table, ids, scores, backend, out)
+    rows, width, pool = ids.shape
+    if out is None:
+        out = torch.empty((rows, width, pool), dtype=torch.float32, device=ids.device)
+    if rows * width == 0:
+        return out
+    use_triton = backend == "triton" or (backend == "auto" and ids.is_cuda)
+    flat = (
+        y.reshape(rows * width, y.shape[-1]),
+        table,
+        ids.reshape(rows * width, pool),
+        scores.reshape(rows * width, pool),
+        out.view(rows * width, pool),
+    )
+    if use_triton:
+        _triton_pool_log_softmax(*flat)
+    else:
+        _torch_pool_log_softmax(*flat)
+    return out
+
+
+def _check_inputs(y, table, ids, scores, backend, out) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if y.dim() != 3:
+        raise ValueError(f"y must be [R, w, D], got shape {list(y.shape)}")
+    if table.dim() != 2:
+        raise ValueError(f"table must be [V, D], got shape {list(table.shape)}")
+    if ids.dim() != 3 or ids.dtype != torch.int64:
+        raise ValueError(
+            f"ids must be an int64 [R, w, P] tensor, got {ids.dtype} {list(ids.shape)}"
+        )
+    if ids.shape[:2] != y.shape[:2]:
+        raise ValueError(
+            f"ids [R, w, P] must match y [R, w, D] in R and w: "
+            f"ids {list(ids.shape)}, y {list(y.shape)}"
+        )
+    if ids.shape[2] < 1:
+        raise ValueError("ids must hold at least one pool entry (P >= 1)")
+    if scores.shape != ids.shape:
+        raise ValueError(
+            f"scores must have the shape of ids {list(ids.shape)}, got {list(scores.shape)}"
+        )
+    if table.shape[1] != y.shape[2]:
+        raise ValueError(
+            f"table width {table.shape[1]} must equal the query width D = {y.shape[2]}"
+        )
+    for name, t in (("y", y), ("table", table), ("scores", scores)):
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
+    for name, t in (("table", table), ("ids", ids), ("scores", scores)):
+        if t.device != y.device:
+            raise ValueError(f"{name} is on {t.device} but y is on {y.device}")
+    if out is not None and (
+        out.shape != ids.shape
+        or out.dtype != torch.float32
+        or out.device != y.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out must be a contiguous float32 {list(ids.shape)} tensor on {y.device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
+
+
+def _torch_pool_log_softmax(y, table, ids, scores, out) -> None:
+    n, pool = ids.shape
+    chunk = max(1, _TORCH_GATHER_BYTES // (pool * table.shape[1] * 4))
+    for start in range(0, n, chunk):
+        stop = min(start + chunk, n)
+        gathered = table[ids[start:stop]].float()  # [n, P, D]
+        residual = torch.bmm(gathered, y[start:stop].float().unsqueeze(-1)).squeeze(-1)
+        out[start:stop] = torch.log_softmax(scores[start:stop].float() + residual, dim=-1)
+
+
+@triton.jit
+def _pool_logits_kernel(
+    y_ptr,
+    table_ptr,
+    ids_ptr,
+    scores_ptr,
+    out_ptr,
+    POOL,
+    WIDTH,
+    stride_y,
+    stride_table,
+    stride_ids,
+    stride_scores,
+    stride_out,
+    BLOCK_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    mask_p = offs_p < POOL
+    ids = tl.load(ids_ptr + row * stride_ids + offs_p, mask=mask_p, other=0)
+    row_ptrs = table_ptr + ids[:, None] * stride_table
+    acc = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for d0 in range(0, WIDTH, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < WIDTH
+        query = tl.load(y_ptr + row * stride_y + offs_d, mask=mask_d, other=0.0)
+        rows = tl.load(
+            row_ptrs + offs_d[None, :], mask=mask_p[:, None] & mask_d[None, :], other=0.0
+        )
+        acc += tl.sum(rows.to(tl.float32) * query.to(tl.float32)[None, :], axis=1)
+    base = tl.load(scores_ptr + row * stride_scores + offs_p, mask=mask_p, other=0.0)
+    tl.store(out_ptr + row * stride_out + offs_p, base.to(tl.float32) + acc, mask=mask_p)
+
+
+@triton.jit
+def _log_softmax_rows_kernel(out_ptr, POOL, stride_out, BLOCK_P: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    base = out_ptr + row * stride_out
+    # Online logsumexp; a tile of only -inf must not turn the running sum into NaN.
+    run_max = tl.full((), -float("inf"), dtype=tl.float32)
+    run_sum = tl.zeros((), dtype=tl.float32)
+    for p0 in range(0, POOL, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        logits = tl.load(base + offs, mask=offs < POOL, other=-float("inf"))
+        new_max = tl.maximum(run_max, tl.max(logits, axis=0))
+        shift = tl.where(new_max == -float("inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - shift) + tl.sum(tl.exp(logits - shift), axis=0)
+        run_max = new_max
+    lse = run_max + tl.log(run_sum)
+    for p0 in range(0, POOL, BLOCK_P):
+        offs = p0 + tl.arange(0, BLOCK_P)
+        mask = offs < POOL
+        logits = tl.load(base + offs, mask=mask, other=0.0)
+        tl.store(base + offs, logits - lse, mask=mask)
+
+
+def _triton_pool_log_softmax(y, table, ids, scores, out) -> None:
+    n, pool = ids.shape
+    width = y.shape[1]
+    y = y.contiguous()
+    table = table.contiguous()
+    ids = ids.contiguous()
+    scores = scores.contiguous()
+    block_p = min(64, triton.next_power_of_2(pool))
+    block_d = min(128, triton.next_power_of_2(width))
+    _pool_logits_kernel[(n, triton.cdiv(pool, block_p))](
+        y,
+        table,
+        ids,
+        scores,
+        out,
+        pool,
+        width,
+        y.stride(0),
+        table.stride(0),
+        ids.stride(0),
+        scores.stride(0),
+        out.stride(0),
+        BLOCK_P=block_p,
+        BLOCK_D=block_d,
+    )
+    _log_softmax_rows_kernel[(n,)](
+        out, pool, out.stride(0), BLOCK_P=min(1024, triton.next_power_of_2(pool))
+    )
