@@ -1,0 +1,147 @@
+"""TreeMetadata against a brute-force per-node walk up the parent pointers."""
+
+import pytest
+import torch
+
+from triton_ops.tree_metadata import (
+    build_tree_metadata,
+    pack_bitsets,
+    unpack_bitsets,
+)
+
+
+def random_parents(gen: torch.Generator, num_nodes: int, shape: str) -> list[int]:
+    """Topological parent list of one request; ``shape`` picks the family."""
+    parents = []
+    for i in range(num_nodes):
+        if shape == "chain":
+            parents.append(i - 1)
+        elif shape == "star":
+            parents.append(-1 if i == 0 else 0)
+        elif shape == "forest":
+            roll = int(torch.randint(0, i + 2, (1,), generator=gen))
+            parents.append(roll - 1 if roll <= i else -1)
+        elif shape == "bushy":
+            parents.append(-1 if i == 0 else int(torch.randint(max(0, i - 4), i, (1,), generator=gen)))
+        else:  # random tree with one root
+            parents.append(-1 if i == 0 else int(torch.randint(0, i, (1,), generator=gen)))
+    return parents
+
+
+def make_batch(gen, counts, max_nodes, shapes):
+    parents = torch.full((len(counts), max_nodes), -1, dtype=torch.int64)
+    for b, (n, shape) in enumerate(zip(counts, shapes)):
+        parents[b, :n] = torch.tensor(random_parents(gen, n, shape))
+        # Padding may hold anything: the builder must ignore it.
+        parents[b, n:] = torch.randint(-1, max_nodes, (max_nodes - n,), generator=gen)
+    return parents, torch.tensor(counts, dtype=torch.int32)
+
+
+def brute_force(parents, counts, conv_width):
+    B, N = parents.shape
+    ancestors = torch.zeros(B, N, N, dtype=torch.bool)
+    depths = torch.zeros(B, N, dtype=torch.int32)
+    conv = torch.zeros(B, N, conv_width, dtype=torch.int32)
+    for b in range(B):
+        for i in range(N):
+            real = i < counts[b]
+            path = [i]
+            node = int(parents[b, i]) if real else -1
+            while node >= 0:
+                path.append(node)
+                node = int(parents[b, node])
+            for j in path:
+                ancestors[b, i, j] = True
+            depths[b, i] = len(path) - 1
+            for t in range(conv_width):
+                # Past the root the tap counts back into the committed columns.
+                conv[b, i, t] = path[t] if t < len(path) else (len(path) - 1) - t
+    return ancestors, depths, conv
+
+
+SHAPES = ("random", "chain", "star", "forest", "bushy")
+
+
+@pytest.mark.parametrize("max_nodes", [1, 7, 16, 63, 64, 65, 128, 130])
+@pytest.mark.parametrize("conv_width", [1, 2, 4])
+def test_matches_brute_force(max_nodes, conv_width):
+    gen = torch.Generator().manual_seed(1000 * max_nodes + conv_width)
+    B = 5
+    counts = [max_nodes] + [int(torch.randint(1, max_nodes + 1, (1,), generator=gen)) for _ in range(B - 1)]
+    shapes = [SHAPES[int(torch.randint(0, len(SHAPES), (1,), generator=gen))] for _ in range(B)]
+    parents, num_nodes = make_batch(gen, counts, max_nodes, shapes)
+    meta = build_tree_metadata(parents, num_nodes, conv_width=conv_width)
+    ancestors, depths, conv = brute_force(parents, counts, conv_width)
+
+    valid = torch.arange(max_nodes) < num_nodes.view(-1, 1)
+    assert torch.equal(meta.valid, valid)
+    assert torch.equal(meta.parents, torch.where(valid, parents, -1).to(torch.int32))
+    assert meta.parents.dtype == torch.int32 and meta.depths.dtype == torch.int32
+    assert torch.equal(meta.ancestors, ancestors)
+    assert torch.equal(meta.depths, depths)
+    assert torch.equal(meta.conv_sources, conv)
+    assert meta.ancestor_words.shape == (B, max_nodes, -(-max_nodes // 64))
+    assert torch.equal(unpack_bitsets(meta.ancestor_words, max_nodes), ancestors)
+    assert (meta.batch_size, meta.max_nodes, meta.conv_width) == (B, max_nodes, conv_width)
+
+
+def test_bitset_round_trip_and_bit_layout():
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 63, 64, 65, 128, 200):
+        mask = torch.rand(3, 4, n, generator=gen) < 0.5
+        words = pack_bitsets(mask)
+        assert words.dtype == torch.int64 and words.shape == (3, 4, -(-n // 64))
+        assert torch.equal(unpack_bitsets(words, n), mask)
+    one = torch.zeros(1, 130, dtype=torch.bool)
+    one[0, 63] = True
+    one[0, 129] = True
+    words = pack_bitsets(one)
+    assert words[0].tolist() == [-(2**63), 0, 1 << 1]
+
+
+def test_path_mask():
+    parents = torch.tensor([[-1, 0, 1, 0, 3, 2], [-1, -1, 0, 1, -1, -1]])
+    meta = build_tree_metadata(parents, torch.tensor([6, 4]))
+    got = meta.path_mask(torch.tensor([5, -1]))
+    assert got.tolist() == [
+        [True, True, True, False, False, True],
+        [False] * 6,
+    ]
+    got = meta.path_mask(torch.tensor([4, 3], dtype=torch.int32))
+    assert got[0].tolist() == [True, False, False, True, True, False]
+    assert got[1].tolist() == [False, True, False, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "parents, num_nodes, match",
+    [
+        ([[-1, 1, 0]], None, "topologically"),
+        ([[-1, 0, 2]], None, "topologically"),
+        ([[-1, -2, 0]], None, "out of range"),
+        ([[-1, 0, 1]], [0], "num_nodes"),
+        ([[-1, 0, 1]], [4], "num_nodes"),
+        ([[-1, 0, 1]], [1, 1], "num_nodes"),
+    ],
+)
+def test_rejects_bad_topology(parents, num_nodes, match):
+    nn = None if num_nodes is None else torch.tensor(num_nodes)
+    with pytest.raises(ValueError, match=match):
+        build_tree_metadata(torch.tensor(parents), nn)
+
+
+def test_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="parents"):
+        build_tree_metadata(torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="parents"):
+        build_tree_metadata(torch.tensor([[-1.0, 0.0]]))
+    with pytest.raises(ValueError, match="conv_width"):
+        build_tree_metadata(torch.tensor([[-1, 0]]), conv_width=0)
+    meta = build_tree_metadata(torch.tensor([[-1, 0, 1]]), torch.tensor([2]))
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        meta.path_mask(torch.tensor([2]))
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        meta.path_mask(torch.tensor([-2]))
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        meta.path_mask(torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        meta.path_mask(torch.tensor([0.0]))
