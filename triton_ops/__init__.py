@@ -1,7 +1,9 @@
 """Triton kernels for tree speculative decoding, each beside a PyTorch reference."""
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
 
 __all__ = ["TreeMetadata", "build_tree_metadata"]
+__all__ += ["tree_conv1d", "tree_conv1d_commit"]
 from triton_ops.pool_logits import naive_pool_logits_log_softmax, pool_logits_log_softmax  # noqa: E402
 __all__ += ["naive_pool_logits_log_softmax", "pool_logits_log_softmax"]

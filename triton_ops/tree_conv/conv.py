@@ -1,0 +1,283 @@
+"""Tree-aware depthwise causal conv1d (the conv that precedes GDN) and its commit.
+
+In a chain, tap ``t`` of token ``i`` reads token ``i - t``. In a draft tree it
+reads the node's ``t``-th ancestor, and past the root the committed conv state
+(see ``TreeMetadata.conv_sources``). Each node is a gather of W rows plus W
+FMAs per channel; nothing speculative is written to the conv state until
+:func:`tree_conv1d_commit` appends the accepted path.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.tree_conv.backend import use_triton
+from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
+
+ACTIVATIONS = ("silu", None)
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _tree_conv1d_kernel(
+    x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, sources_ptr, num_nodes_ptr, y_ptr,
+    N, C,
+    stride_xb, stride_xn, stride_xc,
+    stride_wc, stride_wt,
+    stride_ss, stride_sc, stride_st,
+    stride_qb, stride_qn, stride_qt,
+    stride_yb, stride_yn, stride_yc,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < C
+    valid = offs_n < tl.load(num_nodes_ptr + b)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    # A slot < 0 (vLLM's padding slot) has no committed state: no state column is
+    # readable and those taps read zeros.
+    lowest_source = tl.where(slot >= 0, 1 - W, 0)
+
+    acc = tl.zeros((BLOCK_N, BLOCK_C), dtype=tl.float32)
+    for t in tl.static_range(W):
+        src = tl.load(
+            sources_ptr + b * stride_qb + offs_n * stride_qn + t * stride_qt, mask=valid, other=0
+        )
+        from_x = (valid & (src >= 0))[:, None] & c_mask[None, :]
+        from_state = (valid & (src < 0) & (src >= lowest_source))[:, None] & c_mask[None, :]
+        x_val = tl.load(
+            x_ptr + b * stride_xb + src[:, None] * stride_xn + offs_c[None, :] * stride_xc,
+            mask=from_x, other=0.0,
+        )
+        s_val = tl.load(
+            state_ptr + slot * stride_ss + offs_c[None, :] * stride_sc
+            + (W - 1 + src)[:, None] * stride_st,
+            mask=from_state, other=0.0,
+        )
+        tap_weight = tl.load(
+            weight_ptr + offs_c * stride_wc + (W - 1 - t) * stride_wt, mask=c_mask, other=0.0
+        )
+        acc += (x_val.to(tl.float32) + s_val.to(tl.float32)) * tap_weight.to(tl.float32)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
+    acc = tl.where(valid[:, None], acc, 0.0)
+    tl.store(
+        y_ptr + b * stride_yb + offs_n[:, None] * stride_yn + offs_c[None, :] * stride_yc,
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(offs_n < N)[:, None] & c_mask[None, :],
+    )
+
+
+@triton.jit
+def _tree_conv1d_commit_kernel(
+    state_ptr, slots_ptr, x_ptr, sources_ptr, leaf_ptr,
+    C,
+    stride_ss, stride_sc, stride_st,
+    stride_xb, stride_xn, stride_xc,
+    stride_qb, stride_qn, stride_qt,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    pid_c = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    leaf = tl.load(leaf_ptr + b).to(tl.int64)
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    if (leaf >= 0) & (slot >= 0):
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        col = tl.arange(0, BLOCK_T)
+        col_mask = col < W - 1
+        # New column ``col`` (oldest to newest) is tap W-2-col of the leaf.
+        src = tl.load(
+            sources_ptr + b * stride_qb + leaf * stride_qn + (W - 2 - col) * stride_qt,
+            mask=col_mask, other=0,
+        )
+        c_mask = offs_c < C
+        from_x = c_mask[:, None] & (col_mask & (src >= 0))[None, :]
+        from_state = c_mask[:, None] & (col_mask & (src < 0))[None, :]
+        x_val = tl.load(
+            x_ptr + b * stride_xb + src[None, :] * stride_xn + offs_c[:, None] * stride_xc,
+            mask=from_x, other=0.0,
+        )
+        state_row = state_ptr + slot * stride_ss + offs_c[:, None] * stride_sc
+        s_val = tl.load(state_row + (W - 1 + src)[None, :] * stride_st, mask=from_state, other=0.0)
+        new_val = tl.where(from_x, x_val.to(state_ptr.dtype.element_ty), s_val)
+        # In place: every thread must have read the old columns before any is overwritten.
+        tl.debug_barrier()
+        tl.store(state_row + col[None, :] * stride_st, new_val, mask=c_mask[:, None] & col_mask[None, :])
+
+
+def _check_common(
+    x: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor, meta: TreeMetadata
+) -> tuple[int, int, int, int]:
+    if x.dim() != 3 or x.shape[:2] != (meta.batch_size, meta.max_nodes):
+        raise ValueError(
+            f"x must be [B={meta.batch_size}, N={meta.max_nodes}, C], got {list(x.shape)}"
+        )
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
+    B, N, C = x.shape
+    W = meta.conv_width
+    if W < 2:
+        raise ValueError(f"meta must be built with conv_width >= 2, got {W}")
+    if conv_state.dim() != 3 or conv_state.shape[1:] != (C, W - 1):
+        raise ValueError(
+            f"conv_state must be [num_slots, C={C}, W-1={W - 1}], got {list(conv_state.shape)}"
+        )
+    if conv_state.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"conv_state must be one of {FLOAT_DTYPES}, got {conv_state.dtype}")
+    if state_slots.shape != (B,) or state_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"state_slots must be int32/int64 of shape [{B}], "
+            f"got {state_slots.dtype} {list(state_slots.shape)}"
+        )
+    for name, tensor in (("conv_state", conv_state), ("state_slots", state_slots),
+                         ("meta", meta.conv_sources)):
+        if tensor.device != x.device:
+            raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")
+    # A range check reads the values: free on CPU, a host sync on CUDA, so CPU only.
+    if x.device.type == "cpu" and bool((state_slots >= conv_state.shape[0]).any()):
+        raise ValueError(
+            f"state_slots must be < num_slots = {conv_state.shape[0]} (or < 0 for padding), "
+            f"got {state_slots.tolist()}"
+        )
+    return B, N, C, W
+
+
+def _inputs_with_state(
+    x: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor
+) -> torch.Tensor:
+    """[B, W-1+N, C] float32: committed columns then node inputs, so that
+    ``conv_sources + W - 1`` indexes it for both kinds of source."""
+    slots = state_slots.long()
+    committed = conv_state[slots.clamp(min=0)].float().transpose(1, 2)
+    committed = torch.where((slots >= 0).view(-1, 1, 1), committed, 0.0)
+    return torch.cat([committed, x.float()], dim=1)
+
+
+def tree_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    meta: TreeMetadata,
+    activation: str | None = "silu",
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Depthwise causal conv over draft trees, reading ancestors instead of predecessors.
+
+    Args:
+        x: [B, N, C] node inputs (bf16/fp16/fp32), any strides.
+        weight: [C, W] taps in causal-conv order: ``weight[:, W-1]`` multiplies the
+            node itself, ``weight[:, W-1-t]`` its ``t``-th ancestor.
+        bias: [C] or None.
+        conv_state: [num_slots, C, W-1] committed inputs, columns oldest to
+            newest, any strides (a view into the engine's buffer). Read only.
+        state_slots: [B] int32/int64, each request's row of ``conv_state``; a
+            negative slot (padding) reads a zero state.
+        meta: tree metadata built with ``conv_width=W``.
+        activation: ``"silu"`` or None.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+        out: optional [B, N, C] tensor of x's dtype to write into (any strides).
+
+    Returns:
+        [B, N, C] in x's dtype (``out`` when given), accumulated in fp32;
+        padded nodes are zeros.
+    """
+    B, N, C, W = _check_common(x, conv_state, state_slots, meta)
+    if weight.shape != (C, W):
+        raise ValueError(f"weight must be [C={C}, W={W}], got {list(weight.shape)}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias must be [C={C}] or None, got {list(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if out is None:
+        out = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
+    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must be [B, N, C] = {list(x.shape)} {x.dtype} on {x.device}, "
+            f"got {list(out.shape)} {out.dtype} on {out.device}"
+        )
+
+    if not use_triton(backend, x.device):
+        taps = _inputs_with_state(x, conv_state, state_slots)
+        index = (meta.conv_sources.long() + (W - 1)).view(B, N * W, 1).expand(-1, -1, C)
+        taps = torch.gather(taps, 1, index).view(B, N, W, C)
+        # Tap t (t-th ancestor) pairs with weight column W-1-t.
+        y = (taps * weight.float().flip(1).t()).sum(2)
+        if bias is not None:
+            y = y + bias.float()
+        if activation == "silu":
+            y = torch.nn.functional.silu(y)
+        out.copy_(torch.where(meta.valid.unsqueeze(-1), y, 0.0))
+        return out
+
+    BLOCK_N = min(16, triton.next_power_of_2(N))
+    BLOCK_C = min(256, triton.next_power_of_2(C))
+    grid = (triton.cdiv(C, BLOCK_C), triton.cdiv(N, BLOCK_N), B)
+    sources = meta.conv_sources
+    _tree_conv1d_kernel[grid](
+        x, weight, bias if bias is not None else weight, conv_state, state_slots, sources,
+        meta.num_nodes, out,
+        N, C,
+        *x.stride(), *weight.stride(), *conv_state.stride(), *sources.stride(), *out.stride(),
+        W=W, HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
+        num_warps=4,
+    )
+    return out
+
+
+def tree_conv1d_commit(
+    conv_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    x: torch.Tensor,
+    meta: TreeMetadata,
+    accepted_leaf: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Advance the conv state along the accepted path, in place.
+
+    The new state of request ``b`` is the last W-1 columns of
+    [old state ; x along the root-to-``accepted_leaf[b]`` path], cast to
+    ``conv_state``'s dtype. ``accepted_leaf[b] = -1`` (or a negative slot) leaves
+    the slot bit-identical. Shapes as in :func:`tree_conv1d`; ``accepted_leaf``
+    is [B] int32/int64.
+    """
+    B, N, C, W = _check_common(x, conv_state, state_slots, meta)
+    if accepted_leaf.device != x.device:
+        raise ValueError(f"accepted_leaf must be on x's device {x.device}, got {accepted_leaf.device}")
+    if x.device.type == "cpu":
+        check_accepted_leaf(accepted_leaf, meta)
+    elif accepted_leaf.shape != (B,):
+        raise ValueError(f"accepted_leaf must have shape [{B}], got {list(accepted_leaf.shape)}")
+
+    if not use_triton(backend, x.device):
+        rows = ((accepted_leaf >= 0) & (state_slots >= 0)).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            return
+        leaf = accepted_leaf[rows].long()
+        # Column c of the new state (oldest to newest) is tap W-2-c of the leaf.
+        taps = meta.conv_sources[rows, leaf, : W - 1].flip(-1).long() + (W - 1)
+        inputs = _inputs_with_state(x[rows], conv_state, state_slots[rows])
+        new_columns = torch.gather(inputs, 1, taps.unsqueeze(-1).expand(-1, -1, C))
+        conv_state[state_slots[rows].long()] = new_columns.transpose(1, 2).to(conv_state.dtype)
+        return
+
+    BLOCK_C = min(256, triton.next_power_of_2(C))
+    sources = meta.conv_sources
+    _tree_conv1d_commit_kernel[(triton.cdiv(C, BLOCK_C), B)](
+        conv_state, state_slots, x, sources, accepted_leaf,
+        C,
+        *conv_state.stride(), *x.stride(), *sources.stride(),
+        W=W, BLOCK_T=triton.next_power_of_2(W - 1), BLOCK_C=BLOCK_C,
+        num_warps=4,
+    )
