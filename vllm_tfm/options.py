@@ -1,0 +1,136 @@
+"""The user-facing options of ``{"method": "dflash_tfm", ...}``.
+
+Parsed and checked here, before any engine starts, so a bad value fails with
+a message naming the field. No vLLM import: the glue hands us the plain dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+METHOD = "dflash_tfm"
+TREE_KINDS = ("weaver", "ddtree", "chain")
+VERIFY_MODES = ("auto", "greedy", "target_only", "traversal")
+DEFAULT_BUDGET = 64
+# Root + budget nodes must fit one tree of at most 128 nodes (the kernels'
+# tile limit and vLLM's MAX_SPEC_LEN).
+MAX_BUDGET = 127
+MAX_EXPAND_WIDTH = 32
+# DFlash drafters are trained with a block of 16: bonus token + 15 masks.
+DFLASH_DRAFT_DEPTH = 15
+
+
+@dataclasses.dataclass(frozen=True)
+class TfmOptions:
+    """Validated ``dflash_tfm`` options, carried to every process."""
+
+    budget: int = DEFAULT_BUDGET
+    tree: str = "weaver"
+    verify: str = "auto"
+    weaver: str | None = None
+    expand_width: int | None = None
+    fanout: int = 8
+    candidate_pool: int = 512
+    draft_depth: int = DFLASH_DRAFT_DEPTH
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TfmOptions:
+        return cls(**values)
+
+    @property
+    def resolved_expand_width(self) -> int:
+        if self.expand_width is not None:
+            return self.expand_width
+        return min(-(-self.budget // 16), MAX_EXPAND_WIDTH)
+
+
+# Keys of the speculative config that belong to dflash_tfm, not to vLLM.
+TFM_KEYS = ("weaver", "tree", "verify", "expand_width", "fanout", "candidate_pool")
+
+
+def _int_field(values: dict[str, Any], name: str, default: int | None, low: int, high: int):
+    value = values.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"speculative_config['{name}'] must be an integer in [{low}, {high}], "
+            f"got {value!r}"
+        )
+    if not low <= value <= high:
+        raise ValueError(
+            f"speculative_config['{name}'] must be in [{low}, {high}], got {value}"
+        )
+    return value
+
+
+def _choice_field(values: dict[str, Any], name: str, default: str, allowed: tuple[str, ...]):
+    value = values.get(name, default)
+    if value not in allowed:
+        raise ValueError(
+            f"speculative_config['{name}'] must be one of {list(allowed)}, got {value!r}"
+        )
+    return value
+
+
+def split_speculative_config(
+    config: dict[str, Any], vllm_keys: set[str]
+) -> tuple[TfmOptions, dict[str, Any]]:
+    """Split a ``dflash_tfm`` speculative config into our options and vLLM's.
+
+    Args:
+        config: the user's dict, ``method == "dflash_tfm"``.
+        vllm_keys: the field names vLLM's SpeculativeConfig accepts.
+
+    Returns:
+        The validated options and the dict to hand to vLLM as a ``dflash``
+        config with ``num_speculative_tokens`` = the tree budget.
+    """
+    config = {key.replace("-", "_"): value for key, value in config.items()}
+    unknown = sorted(set(config) - set(TFM_KEYS) - vllm_keys)
+    if unknown:
+        raise ValueError(
+            f"unknown speculative_config key(s) {unknown} for method '{METHOD}'; "
+            f"dflash_tfm adds {list(TFM_KEYS)} to vLLM's speculative options"
+        )
+    if not config.get("model"):
+        raise ValueError(
+            f"speculative_config['model'] must name the DFlash drafter for method '{METHOD}'"
+        )
+    budget = _int_field(config, "num_speculative_tokens", DEFAULT_BUDGET, 1, MAX_BUDGET)
+    tree = _choice_field(config, "tree", "weaver", TREE_KINDS)
+    verify = _choice_field(config, "verify", "auto", VERIFY_MODES)
+    candidate_pool = _int_field(config, "candidate_pool", 512, 1, 1 << 20)
+    fanout = _int_field(config, "fanout", 8, 1, candidate_pool)
+    expand_width = _int_field(config, "expand_width", None, 1, MAX_EXPAND_WIDTH)
+    weaver = config.get("weaver")
+    if tree == "weaver":
+        if not weaver:
+            raise ValueError(
+                "speculative_config['weaver'] is required when tree is 'weaver' "
+                "(a Weaver .pth or a safetensors directory); or choose "
+                "tree 'ddtree' or 'chain'"
+            )
+    if weaver is not None:
+        if not isinstance(weaver, str) or not os.path.exists(weaver):
+            raise ValueError(
+                f"speculative_config['weaver'] = {weaver!r} does not exist"
+            )
+    options = TfmOptions(
+        budget=budget,
+        tree=tree,
+        verify=verify,
+        weaver=weaver if tree == "weaver" else None,
+        expand_width=expand_width,
+        fanout=fanout,
+        candidate_pool=candidate_pool,
+    )
+    vllm_config = {k: v for k, v in config.items() if k not in TFM_KEYS}
+    vllm_config["method"] = "dflash"
+    vllm_config["num_speculative_tokens"] = budget
+    return options, vllm_config

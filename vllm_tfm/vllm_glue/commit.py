@@ -1,0 +1,62 @@
+"""Commit the accepted path of every request into the caches, after verification.
+
+Only accepted nodes ever reach the caches: full-attention K/V rows move from
+their linear slots (prefix + node index) to prefix + depth; GDN recurrent and
+conv states advance along the path from the committed state, in place.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_tfm.vllm_glue.attention import cpu_key_value_views
+
+
+def _attention_layers_by_group(runner) -> list[tuple[int, list[str]]]:
+    """Target full-attention layers grouped by KV-cache group (cached)."""
+    cached = getattr(runner, "_tfm_attention_groups", None)
+    if cached is not None:
+        return cached
+    from vllm.model_executor.layers.attention import Attention
+
+    drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
+    context = runner.compilation_config.static_forward_context
+    groups = []
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        names = [
+            name for name in group.layer_names
+            if name not in drafter_layers and isinstance(context.get(name), Attention)
+        ]
+        if names:
+            groups.append((gid, names))
+    runner._tfm_attention_groups = groups
+    return groups
+
+
+def commit_step(runner, step) -> None:
+    from triton_ops.gdn_tree import gdn_tree_commit
+    from triton_ops.tree_attention import tree_kv_commit
+    from triton_ops.tree_conv import tree_conv1d_commit
+
+    leaf = step.accepted_leaf
+    num_reqs = len(step.req_ids)
+    if step.tree_requests().numel() > 0:
+        context = runner.compilation_config.static_forward_context
+        for gid, names in _attention_layers_by_group(runner):
+            views = [cpu_key_value_views(context[name].kv_cache) for name in names]
+            block_table = runner.input_batch.block_table[gid].get_device_tensor(num_reqs)
+            tree_kv_commit(
+                [keys for keys, _ in views], [values for _, values in views],
+                block_table.to(torch.int32), step.prefix_lens, step.meta, leaf,
+            )
+    for record in step.gdn_records:
+        record_leaf = leaf.index_select(0, record.requests)
+        gdn_tree_commit(record.ssm_state, record.slots, record.meta, record.verify_out,
+                        record_leaf)
+        tree_conv1d_commit(record.conv_state, record.slots, record.conv_inputs,
+                           record.meta, record_leaf)
+    step.gdn_records.clear()
+    # Slot 0 and the first conv columns now hold the committed state: tell
+    # vLLM's readers so (its convention resumes from slot num_accepted - 1).
+    runner.num_accepted_tokens.gpu[:num_reqs] = 1
+    runner.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = 1

@@ -1,0 +1,112 @@
+"""``{"method": "dflash_tfm"}``: parse, check and translate before the engine starts.
+
+vLLM's SpeculativeConfig knows no such method (a closed Literal, extra keys
+forbidden). We run it as vLLM's own ``dflash`` (same drafter loading, aux
+hidden states, KV groups) with ``num_speculative_tokens`` = the tree budget,
+and carry our options in ``additional_config["dflash_tfm"]``, which every
+process receives with the VllmConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from vllm_tfm.options import METHOD, TfmOptions, split_speculative_config
+
+ADDITIONAL_CONFIG_KEY = "dflash_tfm"
+
+
+def tfm_options(vllm_config) -> TfmOptions | None:
+    """The options of a VllmConfig running dflash_tfm, else None."""
+    extra = vllm_config.additional_config or {}
+    values = extra.get(ADDITIONAL_CONFIG_KEY)
+    return None if values is None else TfmOptions.from_dict(values)
+
+
+def _speculative_fields() -> set[str]:
+    from vllm.config import SpeculativeConfig
+
+    return {field.name for field in dataclasses.fields(SpeculativeConfig)}
+
+
+def wrap_create_engine_config(original):
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        user_spec = self.speculative_config
+        if not (isinstance(user_spec, dict) and user_spec.get("method") == METHOD):
+            return original(self, *args, **kwargs)
+        options, vllm_spec = split_speculative_config(user_spec, _speculative_fields())
+        _check_engine_args(self)
+        saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config)
+        self.speculative_config = vllm_spec
+        # GDN states advance along the accepted path only, in place: prefix
+        # caching's state checkpoints ("align" mode) and async scheduling's
+        # optimistic chains do not apply to trees.
+        self.enable_prefix_caching = False
+        self.async_scheduling = False
+        self.additional_config = {
+            **(self.additional_config or {}),
+            ADDITIONAL_CONFIG_KEY: options.to_dict(),
+        }
+        try:
+            config = original(self, *args, **kwargs)
+        finally:
+            self.speculative_config = user_spec
+            self.enable_prefix_caching, self.async_scheduling, self.additional_config = saved
+        check_against_target(config, options)
+        return config
+
+    return create_engine_config
+
+
+def _check_engine_args(engine_args) -> None:
+    if engine_args.enable_prefix_caching:
+        raise ValueError(
+            "enable_prefix_caching must be False with speculative method "
+            f"'{METHOD}' (tree commits do not keep per-block GDN checkpoints)"
+        )
+    if engine_args.async_scheduling:
+        raise ValueError(
+            f"async_scheduling must be False with speculative method '{METHOD}'"
+        )
+
+
+def check_against_target(config, options: TfmOptions) -> None:
+    """Check drafter, Weaver and budget against the target, naming the field."""
+    target = config.model_config.hf_config
+    target_text = target.get_text_config() if hasattr(target, "get_text_config") else target
+    draft_config = config.speculative_config.draft_model_config.hf_config
+    hidden = target_text.hidden_size
+    vocab = target_text.vocab_size
+    for name, expected in (("hidden_size", hidden), ("vocab_size", vocab)):
+        got = getattr(draft_config, name, expected)
+        if got != expected:
+            raise ValueError(
+                f"speculative_config['model']: the DFlash drafter's {name} is {got}, "
+                f"the target's is {expected}"
+            )
+    if options.candidate_pool > vocab:
+        raise ValueError(
+            f"speculative_config['candidate_pool'] must be <= the vocabulary size "
+            f"{vocab}, got {options.candidate_pool}"
+        )
+    max_tokens = config.scheduler_config.max_num_batched_tokens
+    if options.budget + 1 > max_tokens:
+        raise ValueError(
+            f"speculative_config['num_speculative_tokens'] = {options.budget} does not "
+            f"fit max_num_batched_tokens = {max_tokens} (needs budget + 1)"
+        )
+    if options.weaver is not None:
+        from vllm_tfm.drafting.weaver_checkpoint import load_weaver
+
+        try:
+            weaver = load_weaver(options.weaver, target_hidden_size=hidden,
+                                 target_vocab_size=vocab)
+        except ValueError as error:
+            raise ValueError(f"speculative_config['weaver']: {error}") from None
+        pool_size = weaver.config.candidate_pool_size
+        if pool_size < options.candidate_pool:
+            raise ValueError(
+                f"speculative_config['candidate_pool'] = {options.candidate_pool} exceeds "
+                f"the Weaver's candidate_pool_size {pool_size}"
+            )

@@ -1,0 +1,93 @@
+"""GDN layers over a draft tree: tree conv + ancestor-masked GDN verify.
+
+vLLM's speculative GDN path writes one recurrent state per draft token and
+resumes from slot ``num_accepted - 1``. During a tree step we replace it: the
+conv taps follow parent pointers, the recurrence is the ancestor-masked chunk
+form, nothing is written; the commit after verification advances slot 0
+(the committed state) and the first ``width - 1`` conv columns along the
+accepted path, and ``num_accepted_tokens`` is pinned to 1 so vLLM's own
+readers of those buffers agree.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from vllm_tfm.vllm_glue import tree_step
+from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord, select_requests
+
+
+def _pad_to_nodes(flat: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
+    """[T, ...] rows -> [R, N, ...] by node, zeros for padding."""
+    valid = local_rows >= 0
+    padded = flat.new_zeros(*local_rows.shape, *flat.shape[1:])
+    padded[valid] = flat[local_rows[valid]]
+    return padded
+
+
+def tree_gdn_core(layer, step, requests, spec_query_start, mixed_qkv, b, a,
+                  conv_weight, conv_state, ssm_state, slots) -> torch.Tensor:
+    """Core GDN output [T, HV, V] of the spec tokens (vLLM's token order).
+
+    Args:
+        requests: [R'] step request index of each spec sequence, in order.
+        spec_query_start: [R' + 1] start of each spec sequence in ``mixed_qkv``.
+        conv_state: [slots, C, W-1] committed conv columns; ssm_state:
+            [slots, HV, K, V]; slots: [R'] each sequence's state slot.
+    """
+    from triton_ops.gdn_tree import gdn_tree_verify
+    from triton_ops.tree_conv import tree_conv1d
+
+    meta = select_requests(step.meta, requests)
+    node = torch.arange(meta.max_nodes, device=mixed_qkv.device)
+    local_rows = torch.where(
+        meta.valid, spec_query_start[:-1].long().view(-1, 1) + node, torch.full_like(node, -1)
+    )
+    x = _pad_to_nodes(mixed_qkv, local_rows)  # [R', N, C]
+    activation = "silu" if layer.activation in ("silu", "swish") else None
+    y = tree_conv1d(x, conv_weight, layer.conv1d.bias, conv_state, slots, meta,
+                    activation=activation)
+    R, N, _ = y.shape
+    query, key, value = layer.rearrange_mixed_qkv(y.reshape(R * N, -1))
+    query = query.reshape(R, N, -1, layer.head_k_dim)
+    key = key.reshape(R, N, -1, layer.head_k_dim)
+    value = value.reshape(R, N, -1, layer.head_v_dim)
+    g = -torch.exp(layer.A_log.float()) * F.softplus(
+        _pad_to_nodes(a, local_rows).float() + layer.dt_bias.float()
+    )
+    beta = torch.sigmoid(_pad_to_nodes(b, local_rows).float())
+    result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
+                             use_qk_l2norm=True)
+    step.gdn_records.append(
+        GDNCommitRecord(
+            ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=requests,
+            meta=meta, verify_out=result, conv_inputs=x,
+        )
+    )
+    return result.o[meta.valid]
+
+
+def wrap_cpu_spec_forward(original):
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    @functools.wraps(original)
+    def _spec_forward(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec, conv_buf,
+                      ssm_state, width, state_len):
+        step = tree_step.active()
+        if step is None:
+            return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,
+                            conv_buf, ssm_state, width, state_len)
+        num_spec = attn_metadata_i.num_spec_decodes
+        requests = attn_metadata_i.spec_sequence_masks.nonzero().flatten()[:num_spec]
+        slots = attn_metadata_i.spec_state_indices_tensor[:num_spec, 0].long()
+        return tree_gdn_core(
+            layer, step, requests, attn_metadata_i.spec_query_start_loc[: num_spec + 1],
+            mixed_qkv_spec, b_spec, a_spec,
+            cpu_gdn._unpacked_conv_weight(layer), conv_buf[:, :, : width - 1],
+            ssm_state, slots,
+        )
+
+    return _spec_forward

