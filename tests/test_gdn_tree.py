@@ -1,0 +1,383 @@
+"""Tree GDN verify/commit (torch path and Triton kernels) against the float64 per-node recurrence."""
+
+import math
+
+import pytest
+import torch
+from test_tree_metadata import make_batch
+
+from triton_ops.gdn_tree import (
+    gdn_tree_commit,
+    gdn_tree_verify,
+    naive_recurrent_gdn_tree,
+)
+from triton_ops.gdn_tree import chunk_triton
+from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
+from triton_ops.gdn_tree.naive import l2_normalize
+from triton_ops.tree_metadata import build_tree_metadata
+
+FP32_TOL = 2e-5
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(x).any(), "NaN in output"
+    return float((x.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def make_inputs(gen, B, N, H, HV, K, V, dtype=torch.float32, num_slots=None, gate_scale=2.0):
+    num_slots = num_slots or B + 2
+    q = torch.randn(B, N, H, K, generator=gen).to(dtype)
+    k = torch.randn(B, N, H, K, generator=gen).to(dtype)
+    v = torch.randn(B, N, HV, V, generator=gen).to(dtype)
+    g = -gate_scale * torch.rand(B, N, HV, generator=gen)
+    beta = torch.sigmoid(torch.randn(B, N, HV, generator=gen)).to(dtype)
+    pool = 0.5 * torch.randn(num_slots, HV, K, V, generator=gen)
+    slots = torch.randperm(num_slots, generator=gen)[:B].to(torch.int32)
+    return q, k, v, g, beta, pool, slots
+
+
+def random_meta(gen, B, N, shapes, full_first=True):
+    counts = [N if (b == 0 and full_first) else int(torch.randint(1, N + 1, (1,), generator=gen)) for b in range(B)]
+    parents, num_nodes = make_batch(gen, counts, N, [shapes[b % len(shapes)] for b in range(B)])
+    return build_tree_metadata(parents, num_nodes)
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Every float tensor the kernels allocate starts as NaN: unwritten entries fail."""
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(chunk_triton.torch, "empty", nan_empty)
+
+
+def check_verify(out, ref_o, meta, tol):
+    assert rel_err(out.o, ref_o) < tol
+    padding = ~meta.valid
+    for t in (out.o, out.delta, out.gate_sum, out.k_normed):
+        assert torch.isfinite(t).all()
+        assert (t[padding] == 0).all()
+
+
+# --- torch path: many shapes -------------------------------------------------------------
+
+TORCH_CASES = [
+    # B, N, H, HV, K, V, tree shapes
+    (1, 1, 1, 1, 16, 16, ["random"]),
+    (3, 40, 2, 4, 16, 32, ["random", "forest", "star"]),
+    (2, 128, 1, 3, 32, 16, ["chain"]),
+    (4, 128, 2, 2, 16, 16, ["random", "bushy", "forest", "star"]),
+    (2, 65, 3, 9, 20, 24, ["bushy", "forest"]),
+    (2, 64, 2, 4, 64, 64, ["random", "chain"]),
+    (1, 64, 1, 2, 128, 128, ["bushy"]),
+]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: "x".join(map(str, c[:6])))
+def test_torch_verify_and_commit_match_naive(case):
+    B, N, H, HV, K, V, shapes = case
+    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31)
+    meta = random_meta(gen, B, N, shapes)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
+    check_verify(out, ref_o, meta, FP32_TOL)
+
+    leaf = torch.stack([torch.randint(-1, int(n), (1,), generator=gen)[0] for n in meta.num_nodes])
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, leaf)
+    for b in range(B):
+        slot = int(slots[b])
+        if leaf[b] < 0:
+            assert torch.equal(new_pool[slot], pool[slot])
+        else:
+            assert rel_err(new_pool[slot], ref_states[b, leaf[b]]) < FP32_TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+def test_float64_inputs_are_exact():
+    gen = torch.Generator().manual_seed(3)
+    meta = random_meta(gen, 3, 128, ["random", "chain", "forest"])
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 3, 128, 2, 4, 16, 16)
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
+    assert out.o.dtype == torch.float64 and rel_err(out.o, ref_o) < 1e-12
+
+
+# --- Triton kernels (interpreted on CPU) ------------------------------------------------
+
+TRITON_CASES = [
+    (1, 1, 1, 1, 16, 16, ["random"]),
+    (2, 5, 1, 2, 16, 16, ["random", "star"]),
+    (3, 40, 2, 4, 16, 32, ["random", "forest", "star"]),
+    (2, 33, 1, 3, 20, 24, ["bushy", "chain"]),
+    (1, 70, 1, 1, 16, 16, ["random"]),
+    (2, 24, 2, 2, 64, 64, ["forest", "random"]),
+    (1, 16, 1, 1, 128, 128, ["bushy"]),
+]
+
+
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "x".join(map(str, c[:6])))
+def test_triton_verify_and_commit_match_naive(case, poisoned_outputs):
+    B, N, H, HV, K, V, shapes = case
+    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31 + 1)
+    meta = random_meta(gen, B, N, shapes)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
+    check_verify(out, ref_o, meta, FP32_TOL)
+    torch_out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="torch")
+    for name in ("delta", "gate_sum", "k_normed"):
+        assert rel_err(getattr(out, name), getattr(torch_out, name).double()) < FP32_TOL, name
+
+    leaf = torch.stack([torch.randint(-1, int(n), (1,), generator=gen)[0] for n in meta.num_nodes])
+    leaf[0] = int(meta.num_nodes[0]) - 1
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
+    for b in range(B):
+        slot = int(slots[b])
+        if leaf[b] < 0:
+            assert torch.equal(new_pool[slot], pool[slot])
+        else:
+            assert rel_err(new_pool[slot], ref_states[b, leaf[b]]) < FP32_TOL
+    untouched = torch.ones(pool.shape[0], dtype=torch.bool)
+    untouched[slots.long()] = False
+    assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_commit_every_node_of_a_tree_equals_sequential_path(backend):
+    gen = torch.Generator().manual_seed(11)
+    parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 8, 2]])
+    meta = build_tree_metadata(parents)
+    N = parents.shape[1]
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 1, N, 1, 2, 16, 16, num_slots=3)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend)
+    for leaf in range(N):
+        path = [leaf]
+        while parents[0, path[-1]] >= 0:
+            path.append(int(parents[0, path[-1]]))
+        path = path[::-1]
+        # The accepted path as an ordinary chain: its final state is the committed one.
+        chain = build_tree_metadata(torch.arange(-1, len(path) - 1).view(1, -1))
+        pick = torch.tensor(path)
+        _, states = naive_recurrent_gdn_tree(
+            q[:, pick], k[:, pick], v[:, pick], g[:, pick], beta[:, pick], pool, slots, chain
+        )
+        new_pool = pool.clone()
+        gdn_tree_commit(new_pool, slots, meta, out, torch.tensor([leaf]), backend=backend)
+        assert rel_err(new_pool[int(slots[0])], states[0, -1]) < FP32_TOL, path
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_nothing_accepted_leaves_pool_bit_identical(backend):
+    gen = torch.Generator().manual_seed(5)
+    meta = random_meta(gen, 3, 20, ["random"])
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 3, 20, 1, 2, 16, 16, num_slots=6)
+    pool_bf16 = pool.to(torch.bfloat16)
+    for p in (pool, pool_bf16):
+        before = p.clone()
+        out = gdn_tree_verify(q, k, v, g, beta, p, slots, meta, backend=backend)
+        assert torch.equal(p, before)  # verify writes no state
+        gdn_tree_commit(p, slots, meta, out, torch.full((3,), -1), backend=backend)
+        assert torch.equal(p.view(torch.int16) if p.dtype == torch.bfloat16 else p.view(torch.int32),
+                           before.view(torch.int16) if p.dtype == torch.bfloat16 else before.view(torch.int32))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_huge_gate_spread_stays_finite(backend, poisoned_outputs):
+    gen = torch.Generator().manual_seed(9)
+    B, N = 2, 40
+    meta = random_meta(gen, B, N, ["bushy", "forest"])
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, 1, 2, 16, 16)
+    # Thousands of nats between neighbours: exp of a non-ancestor difference would overflow.
+    g = -torch.rand(B, N, 2, generator=gen) * 3000.0
+    g[:, ::3] = -1e-3
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend)
+    check_verify(out, ref_o, meta, FP32_TOL)
+    leaf = meta.num_nodes.long() - 1
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, leaf, backend=backend)
+    for b in range(B):
+        assert torch.isfinite(new_pool).all()
+        assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_strided_inputs_and_vllm_pool_layout(backend, poisoned_outputs):
+    """q/k/v sliced out of one fused projection, the pool stored [slots, HV, V, K], bf16 state."""
+    gen = torch.Generator().manual_seed(21)
+    B, N, H, HV, K, V = 2, 24, 2, 4, 16, 32
+    meta = random_meta(gen, B, N, ["random", "star"])
+    fused = torch.randn(B, N, 2 * H * K + HV * V + 7, generator=gen)
+    q = fused[..., : H * K].view(B, N, H, K)
+    k = fused[..., H * K : 2 * H * K].view(B, N, H, K)
+    v = fused[..., 2 * H * K : 2 * H * K + HV * V].view(B, N, HV, V)
+    gb = torch.randn(B, N, 2 * HV, generator=gen)
+    g = -torch.nn.functional.softplus(gb[..., :HV])
+    beta = torch.sigmoid(gb[..., HV:])
+    for dtype in (torch.float32, torch.bfloat16):
+        pool_vk = (0.5 * torch.randn(5, HV, V, K, generator=gen)).to(dtype)
+        pool = pool_vk.transpose(-1, -2)
+        slots = torch.tensor([3, 1], dtype=torch.int64)
+        ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+        out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend)
+        check_verify(out, ref_o, meta, FP32_TOL)
+        leaf = meta.num_nodes.long() - 1
+        gdn_tree_commit(pool, slots, meta, out, leaf, backend=backend)
+        tol = FP32_TOL if dtype == torch.float32 else 1e-2
+        for b in range(B):
+            assert rel_err(pool_vk[int(slots[b])].transpose(-1, -2), ref_states[b, leaf[b]]) < tol
+
+
+def test_triton_precisions():
+    """All three dot precisions run; under the interpreter they all compute in fp32."""
+    gen = torch.Generator().manual_seed(4)
+    meta = random_meta(gen, 1, 20, ["random"])
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 1, 20, 1, 1, 16, 16)
+    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta, scale=0.3, use_qk_l2norm=False)
+    for precision in ("ieee", "tf32", "tf32x3"):
+        out = gdn_tree_verify(
+            q, k, v, g, beta, pool, slots, meta, 0.3, False, backend="triton", precision=precision
+        )
+        assert rel_err(out.o, ref_o) < FP32_TOL
+
+
+def test_fused_recurrent_baseline_matches_naive():
+    gen = torch.Generator().manual_seed(8)
+    B, N, H, HV, K, V = 2, 20, 1, 3, 16, 24
+    meta = random_meta(gen, B, N, ["random", "forest"])
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    o, states = fused_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    assert rel_err(o, ref_o) < FP32_TOL
+    assert (o[~meta.valid] == 0).all()
+    assert rel_err(states[meta.valid], ref_states[meta.valid]) < FP32_TOL
+
+
+# --- chains against fla ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fla_gdn():
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    from fla.ops.gated_delta_rule.naive import naive_chunk_gated_delta_rule
+
+    return fused_recurrent_gated_delta_rule, naive_chunk_gated_delta_rule
+
+
+def chain_meta(B, N):
+    return build_tree_metadata(torch.arange(-1, N - 1).expand(B, N).contiguous())
+
+
+def test_chain_matches_fla_recurrent(fla_gdn):
+    fused_recurrent, _ = fla_gdn
+    gen = torch.Generator().manual_seed(12)
+    B, N, H, HV, K, V = 2, 24, 1, 2, 16, 32
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
+    meta = chain_meta(B, N)
+    s0 = pool[slots.long()]
+    o_fla, s_fla = fused_recurrent(
+        q, k, v, g=g, beta=beta, initial_state=s0.clone(), output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    assert rel_err(o_fla, ref_o) < FP32_TOL
+    assert rel_err(s_fla, ref_states[:, -1]) < FP32_TOL
+    for backend in ("torch", "triton"):
+        out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend)
+        assert rel_err(out.o, o_fla.double()) < FP32_TOL
+        new_pool = pool.clone()
+        gdn_tree_commit(new_pool, slots, meta, out, torch.full((B,), N - 1), backend=backend)
+        assert rel_err(new_pool[slots.long()], s_fla.double()) < FP32_TOL
+
+
+def test_bf16_no_worse_than_fla_chain(fla_gdn):
+    """bf16 inputs and output: our error vs float64 stays within fla's chunk reference's."""
+    _, naive_chunk = fla_gdn
+    gen = torch.Generator().manual_seed(13)
+    B, N, H, HV, K, V = 2, 64, 2, 4, 64, 64
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V, dtype=torch.bfloat16)
+    meta = chain_meta(B, N)
+    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
+    assert out.o.dtype == torch.bfloat16
+    ours = rel_err(out.o, ref_o)
+    group = HV // H
+    o_fla, _ = naive_chunk(
+        l2_normalize(q.float()).repeat_interleave(group, 2),
+        l2_normalize(k.float()).repeat_interleave(group, 2),
+        v, g, beta, initial_state=pool[slots.long()],
+    )
+    theirs = rel_err(o_fla.to(torch.bfloat16), ref_o)
+    assert ours <= 1.05 * theirs + 1e-6, (ours, theirs)
+    assert ours < 1e-2
+
+
+# --- bad input ---------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_value_error_naming_the_argument():
+    gen = torch.Generator().manual_seed(0)
+    B, N, H, HV, K, V = 2, 8, 1, 2, 16, 16
+    meta = random_meta(gen, B, N, ["random"])
+    args = dict(zip(("q", "k", "v", "g", "beta", "ssm_state", "state_slots"), make_inputs(gen, B, N, H, HV, K, V)))
+    args["meta"] = meta
+
+    def expect(match, **change):
+        with pytest.raises(ValueError, match=match):
+            gdn_tree_verify(**{**args, **change})
+
+    expect("q", q=args["q"][0])
+    expect("k", k=args["k"][:, :, :, :8])
+    expect("v", v=args["v"][:, :4])
+    expect("HV", v=torch.randn(B, N, 3, V), g=torch.zeros(B, N, 3), beta=torch.zeros(B, N, 3))
+    expect("k must have q's dtype", k=args["k"].double())
+    expect("g", g=args["g"].double())
+    expect("g", g=args["g"][:, :, :1])
+    expect("beta", beta=args["beta"][:, :3])
+    expect("ssm_state", ssm_state=args["ssm_state"][:, :, :8])
+    expect("ssm_state", ssm_state=args["ssm_state"].half())
+    expect("state_slots", state_slots=args["state_slots"].float())
+    expect("state_slots", state_slots=torch.tensor([0, 99]))
+    expect("meta", meta=build_tree_metadata(torch.tensor([[-1, 0]])))
+    expect("meta", meta=meta.parents)
+    expect("backend", backend="cuda")
+    expect("precision", precision="fp16")
+    expect("q must have", q=args["q"].double(), k=args["k"].double(), v=args["v"].double(),
+           g=args["g"].double(), backend="triton")
+    big = torch.randn(B, N, H, 257)
+    expect("K=257", q=big, k=big, ssm_state=torch.zeros(4, HV, 257, V))
+    with pytest.raises(ValueError, match="topolog"):
+        build_tree_metadata(torch.tensor([[-1, 2, 0]]))
+    with pytest.raises(ValueError, match="out of range"):
+        build_tree_metadata(torch.tensor([[-1, -3, 0]]))
+
+    out = gdn_tree_verify(**args)
+    pool, slots = args["ssm_state"], args["state_slots"]
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        gdn_tree_commit(pool, slots, meta, out, torch.tensor([0, int(meta.num_nodes[1])]))
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        gdn_tree_commit(pool, slots, meta, out, torch.tensor([0]))
+    with pytest.raises(ValueError, match="ssm_state"):
+        gdn_tree_commit(pool[:, :1], slots, meta, out, torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="verify_out"):
+        gdn_tree_commit(pool, slots, meta, out.o, torch.tensor([0, 0]))
+    with pytest.raises(ValueError, match="node_states"):
+        fused_recurrent_gdn_tree(*make_inputs(gen, B, N, H, HV, K, V), meta, node_states=torch.empty(1))
+
+
+def test_default_scale_is_inverse_sqrt_k():
+    gen = torch.Generator().manual_seed(1)
+    meta = random_meta(gen, 1, 6, ["random"])
+    inputs = make_inputs(gen, 1, 6, 1, 1, 16, 16)
+    a = gdn_tree_verify(*inputs, meta)
+    b = gdn_tree_verify(*inputs, meta, scale=1 / math.sqrt(16))
+    assert torch.equal(a.o, b.o)

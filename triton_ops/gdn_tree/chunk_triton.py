@@ -1,0 +1,279 @@
+"""Triton kernels for tree verify and commit (the CUDA path).
+
+Verify runs one program per (request, value head, block of BV value columns).
+The committed state tile ``S0`` [K, BV] is loaded once and stays in registers;
+nodes are processed in row blocks of BT = 16 by block forward substitution:
+
+    X_r     = diag(beta_r) (V_r - diag(e^G_r) K_r S0) - sum_{c<r} A_rc Delta_c
+    Delta_r = (I + A_rr)^{-1} X_r
+
+The 16x16 diagonal inverse is built row by row in fp32 (forward substitution,
+stable for repeated keys where powers of A explode); off-diagonal blocks with no
+ancestor pair are skipped. ``Delta_c`` of earlier blocks is re-read from the
+output buffer it was just written to (a barrier orders the two within the
+program). Commit runs one program per (request, value head, K block, V block).
+
+Path sums G are accumulated and kept in float64 and only their differences are
+rounded to fp32 (see ``GDNTreeVerifyOutput.gate_sum``).
+
+Shapes are documented in :mod:`.chunk`, which validates the arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
+from triton_ops.tree_metadata import TreeMetadata
+
+ROW_BLOCK = 16
+# Registers hold the [BK, BV] state tile for the whole program: cap its size.
+_STATE_TILE_ELEMS = 8192
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def default_block_v(K: int, V: int) -> int:
+    """Value columns per verify program: two or more programs per head at V = 128
+    so that a batch of one still spreads over the GPU, within the register cap."""
+    BK = _pow2_at_least_16(K)
+    return max(16, min(_pow2_at_least_16(V), 64, _STATE_TILE_ELEMS // BK))
+
+
+@triton.jit
+def load_rows(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """[len(rows), len(cols)] fp32 tile; zero outside ``rows < n_rows, cols < n_cols``."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def l2_normalize_rows(x, USE_L2: tl.constexpr):
+    if USE_L2:
+        x = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) + 1e-6))[:, None]
+    return x
+
+
+@triton.jit
+def ancestor_bits(words, row_base, rows, cols, W, n_valid):
+    """[len(rows), len(cols)] bool: ``cols[j]`` is ``rows[i]`` or one of its ancestors.
+
+    ``words`` is the [B, N, W] int64 bitset table; ``row_base`` = b * N.
+    """
+    mask = (rows[:, None] < n_valid) & (cols[None, :] < n_valid)
+    w = tl.load(words + (row_base + rows[:, None]) * W + cols[None, :] // 64, mask=mask, other=0)
+    return ((w >> (cols[None, :] % 64).to(tl.int64)) & 1) != 0
+
+
+@triton.jit
+def unit_lower_inverse(a, BT: tl.constexpr):
+    """(I + a)^{-1} for strictly lower triangular ``a`` [BT, BT], row by row:
+    ``T_i = e_i - sum_{j<i} a_ij T_j`` (plain fp32 arithmetic)."""
+    idx = tl.arange(0, BT)
+    t = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
+    for i in tl.static_range(1, BT):
+        a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), axis=0)
+        t_i = (idx == i).to(tl.float32) - tl.sum(a_i[:, None] * t, axis=0)
+        t = tl.where(idx[:, None] == i, t_i[None, :], t)
+    return t
+
+
+@triton.jit
+def _verify_kernel(
+    q, k, v, g, beta, state, slots, words, num_nodes,
+    o, delta, gate_sum, k_normed,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_gb, stride_gn, stride_gh,
+    stride_bb, stride_bn, stride_bh,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    scale, N, HV, K, V, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    H = HV // GROUP
+    n_b = tl.load(num_nodes + b)
+    slot = tl.load(slots + b).to(tl.int64)
+    ck = tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    v += b * stride_vb + hv * stride_vh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
+    gate_sum += b * N * HV + hv
+    delta += b * N * HV * V + hv * V
+    o += b * N * HV * V + hv * V
+    k_normed += b * N * H * K + h * K
+    # One program per key head stores the normalised keys for commit.
+    k_rows = tl.where((i_v == 0) & (hv % GROUP == 0), N, 0)
+
+    # G = Mbar g for every node, shared by all row blocks through gate_sum.
+    nodes = tl.arange(0, NP)
+    g_all = tl.load(g + nodes * stride_gn, mask=nodes < n_b, other=0.0).to(tl.float64)
+    bits = ancestor_bits(words, b * N, nodes, nodes, W, n_b)
+    tl.store(gate_sum + nodes * HV, tl.sum(tl.where(bits, g_all[None, :], 0.0), axis=1), mask=nodes < N)
+    tl.debug_barrier()
+
+    s0 = load_rows(state + slot * stride_ss + hv * stride_sh, ck, cv, stride_sk, stride_sv, K, V)
+    rb = tl.arange(0, BT)
+    strict = rb[:, None] > rb[None, :]
+    for r in range(0, tl.cdiv(n_b, BT)):
+        rows = r * BT + rb
+        b_q = l2_normalize_rows(load_rows(q, rows, ck, stride_qn, stride_qk, n_b, K), USE_L2) * scale
+        b_k = l2_normalize_rows(load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K), USE_L2)
+        tl.store(
+            k_normed + rows[:, None] * H * K + ck[None, :], b_k,
+            mask=(rows[:, None] < k_rows) & (ck[None, :] < K),
+        )
+        b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
+        b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
+        b_g = tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0)
+        b_eg = tl.exp(b_g.to(tl.float32))
+        b_x = b_beta[:, None] * (b_v - b_eg[:, None] * tl.dot(b_k, s0, input_precision=PREC))
+        b_o = b_eg[:, None] * tl.dot(b_q, s0, input_precision=PREC)
+        for c in range(0, r):
+            cols = c * BT + rb
+            bits = ancestor_bits(words, b * N, rows, cols, W, n_b)
+            if tl.max(bits.to(tl.int32)) > 0:
+                b_kc = l2_normalize_rows(load_rows(k, cols, ck, stride_kn, stride_kk, n_b, K), USE_L2)
+                b_gc = tl.load(gate_sum + cols * HV)
+                b_dc = load_rows(delta, cols, cv, HV * V, 1, N, V)
+                decay = tl.exp(tl.where(bits, (b_g[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
+                b_a = tl.dot(b_k, tl.trans(b_kc), input_precision=PREC) * decay * b_beta[:, None]
+                b_p = tl.dot(b_q, tl.trans(b_kc), input_precision=PREC) * decay
+                b_x -= tl.dot(b_a, b_dc, input_precision=PREC)
+                b_o += tl.dot(b_p, b_dc, input_precision=PREC)
+        bits = ancestor_bits(words, b * N, rows, rows, W, n_b)
+        decay = tl.exp(tl.where(bits, (b_g[:, None] - b_g[None, :]).to(tl.float32), float("-inf")))
+        b_a = tl.where(strict, tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * decay * b_beta[:, None], 0.0)
+        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay
+        b_d = tl.dot(unit_lower_inverse(b_a, BT), b_x, input_precision=PREC)
+        b_o += tl.dot(b_p, b_d, input_precision=PREC)
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        tl.store(delta + rows[:, None] * HV * V + cv[None, :], b_d, mask=out_mask)
+        tl.store(o + rows[:, None] * HV * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=out_mask)
+        tl.debug_barrier()
+
+    # Row blocks past the last real node: zeros, as documented for padding.
+    zeros = tl.zeros([BT, BV], dtype=tl.float32)
+    for r in range(tl.cdiv(n_b, BT), tl.cdiv(N, BT)):
+        rows = r * BT + rb
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        tl.store(delta + rows[:, None] * HV * V + cv[None, :], zeros, mask=out_mask)
+        tl.store(o + rows[:, None] * HV * V + cv[None, :], zeros.to(o.dtype.element_ty), mask=out_mask)
+        tl.store(
+            k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([BT, BK], dtype=tl.float32),
+            mask=(rows[:, None] < k_rows) & (ck[None, :] < K),
+        )
+
+
+@triton.jit
+def _commit_kernel(
+    state, slots, leaves, words, delta, gate_sum, k_normed,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    N, HV, K, V, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_k = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    H = HV // GROUP
+    leaf = tl.load(leaves + b)
+    if leaf >= 0:
+        slot = tl.load(slots + b).to(tl.int64)
+        nodes = tl.arange(0, NP)
+        w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < N, other=0)
+        on_path = ((w >> (nodes % 64).to(tl.int64)) & 1) != 0
+        gate_sum += b * N * HV + hv
+        g_leaf = tl.load(gate_sum + leaf * HV)
+        b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
+        weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
+        ck = i_k * BK + tl.arange(0, BK)
+        cv = i_v * BV + tl.arange(0, BV)
+        b_k = tl.load(
+            k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
+            mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
+        )
+        b_d = tl.load(
+            delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
+            mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
+        )
+        ptr = state + slot * stride_ss + hv * stride_sh + ck[:, None] * stride_sk + cv[None, :] * stride_sv
+        mask = (ck[:, None] < K) & (cv[None, :] < V)
+        b_s = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * tl.exp(g_leaf.to(tl.float32))
+        b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
+        tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=mask)
+
+
+def verify_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    meta: TreeMetadata,
+    scale: float,
+    use_qk_l2norm: bool,
+    precision: str,
+    block_v: int | None = None,
+    num_warps: int = 4,
+) -> GDNTreeVerifyOutput:
+    """Launch the verify kernel; ``block_v`` / ``num_warps`` are tuning knobs for benchmarks."""
+    B, N, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    BK = _pow2_at_least_16(K)
+    BV = default_block_v(K, V) if block_v is None else block_v
+    words = meta.ancestor_words.contiguous()
+    dev = q.device
+    o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
+    delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
+    gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
+    k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)
+    _verify_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
+        o, delta, gate_sum, k_normed,
+        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
+        scale, N, HV, K, V, words.shape[-1],
+        GROUP=HV // H, NP=_pow2_at_least_16(N), BT=ROW_BLOCK, BK=BK, BV=BV,
+        USE_L2=use_qk_l2norm, PREC=precision, num_warps=num_warps,
+    )
+    return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
+
+
+def commit_triton(
+    ssm_state: torch.Tensor,
+    state_slots: torch.Tensor,
+    meta: TreeMetadata,
+    out: GDNTreeVerifyOutput,
+    accepted_leaf: torch.Tensor,
+    precision: str,
+) -> None:
+    B, N, HV, V = out.delta.shape
+    H, K = out.k_normed.shape[2], out.k_normed.shape[3]
+    NP = _pow2_at_least_16(N)
+    BK = min(_pow2_at_least_16(K), 64)
+    BV = min(_pow2_at_least_16(V), 64)
+    words = meta.ancestor_words.contiguous()
+    _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
+        ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,
+        *ssm_state.stride(), N, HV, K, V, words.shape[-1],
+        GROUP=HV // H, NP=NP, BK=BK, BV=BV, PREC=precision, num_warps=4,
+    )
