@@ -11,7 +11,8 @@ import torch
 from triton_ops.tree_metadata import TreeMetadata
 
 
-def _root_to_node_path(parents: list[int], node: int) -> list[int]:
+def root_to_node_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root down to ``node``, following ``parents`` (-1 ends)."""
     path = []
     while node >= 0:
         path.append(node)
@@ -25,7 +26,7 @@ def _node_sequence(
     """Inputs seen by ``node`` oldest to newest: committed columns, then its path. [C] each."""
     width_minus_1 = conv_state.shape[2]
     committed = [conv_state[slot, :, col].double() for col in range(width_minus_1)]
-    return committed + [x[b, j].double() for j in _root_to_node_path(parents, node)]
+    return committed + [x[b, j].double() for j in root_to_node_path(parents, node)]
 
 
 def naive_tree_conv1d(

@@ -1,0 +1,234 @@
+"""Tree attention and KV commit against SDPA and the float64 reference.
+
+Caches are filled with NaN before the used positions are written, so a kernel
+that reads a padded node, a position past the tree or an unused block fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_tree_conv import make_parents
+
+from triton_ops.tree_attention import (
+    naive_tree_attention,
+    naive_tree_kv_commit,
+    tree_attention,
+    tree_kv_commit,
+)
+from triton_ops.tree_metadata import build_tree_metadata
+
+BACKENDS = ("torch", "triton")
+LAYOUTS = ("contiguous", "kv_stacked", "hnd")
+
+
+def make_meta(kinds, num_nodes, max_nodes, gen):
+    parents = torch.stack([make_parents(k, n, max_nodes, gen) for k, n in zip(kinds, num_nodes)])
+    return build_tree_metadata(parents, torch.tensor(num_nodes, dtype=torch.int32))
+
+
+def empty_caches(num_blocks, block_size, Hkv, D, layout, dtype, num_layers=1):
+    """NaN-filled (key, value) views [num_blocks, block_size, Hkv, D] per layer, laid
+    out like vLLM's backends: plain, K/V stacked per block, or head-major (HND)."""
+    shape = (num_layers, num_blocks, block_size, Hkv, D)
+    if layout == "contiguous":
+        keys, values = torch.full(shape, math.nan, dtype=dtype), torch.full(shape, math.nan, dtype=dtype)
+    elif layout == "kv_stacked":
+        both = torch.full((num_layers, num_blocks, 2, block_size, Hkv, D), math.nan, dtype=dtype)
+        keys, values = both[:, :, 0], both[:, :, 1]
+    elif layout == "hnd":
+        hnd = (num_layers, num_blocks, Hkv, block_size, D)
+        keys = torch.full(hnd, math.nan, dtype=dtype).transpose(2, 3)
+        values = torch.full(hnd, math.nan, dtype=dtype).transpose(2, 3)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return list(keys.unbind(0)), list(values.unbind(0))
+
+
+def make_paged_batch(prefix_lens, num_nodes, Hkv, D, block_size, layout, dtype, gen, num_layers=1):
+    """Caches holding random K/V at positions [0, prefix + num_nodes) of each request
+    (NaN elsewhere), a shuffled block table whose unused entries are invalid ids, and
+    the per-request logical K/V [L_b, Hkv, D] of the first layer."""
+    lengths = [p + n for p, n in zip(prefix_lens, num_nodes)]
+    blocks_needed = [-(-length // block_size) for length in lengths]
+    num_blocks = sum(blocks_needed) + 3
+    key_caches, value_caches = empty_caches(num_blocks, block_size, Hkv, D, layout, dtype, num_layers)
+    block_table = torch.full((len(lengths), max(blocks_needed) + 1), num_blocks + 7, dtype=torch.int32)
+    free = torch.randperm(num_blocks, generator=gen)
+    logical = []
+    for b, (length, need) in enumerate(zip(lengths, blocks_needed)):
+        block_table[b, :need] = free[:need]
+        free = free[need:]
+        pos = torch.arange(length)
+        blk, off = block_table[b, pos // block_size].long(), pos % block_size
+        for layer in range(num_layers):
+            k = torch.randn(length, Hkv, D, generator=gen).to(dtype)
+            v = torch.randn(length, Hkv, D, generator=gen).to(dtype)
+            key_caches[layer][blk, off] = k
+            value_caches[layer][blk, off] = v
+            if layer == 0:
+                logical.append((k, v))
+    return key_caches, value_caches, block_table, logical
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all(), "output holds NaN/inf"
+    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sliding_window", [None, 6])
+def test_chain_is_causal_attention(backend, sliding_window):
+    gen = torch.Generator().manual_seed(17 + (sliding_window or 0))
+    B, N, Hkv, G, D, bs = 2, 9, 2, 2, 32, 16
+    prefix_lens = [21, 40]
+    meta = make_meta(["chain"] * B, [N] * B, N, gen)
+    keys, values, block_table, logical = make_paged_batch(
+        prefix_lens, [N] * B, Hkv, D, bs, "contiguous", torch.float32, gen
+    )
+    q = torch.randn(B, N, Hkv * G, D, generator=gen)
+    out = torch.full_like(q, math.nan)
+    tree_attention(q, keys[0], values[0], block_table, torch.tensor(prefix_lens), meta, D**-0.5,
+                   sliding_window=sliding_window, backend=backend, out=out)
+    for b, prefix in enumerate(prefix_lens):
+        k, v = (t.double().transpose(0, 1).repeat_interleave(G, 0) for t in logical[b])
+        query_pos = prefix + torch.arange(N).view(-1, 1)
+        key_pos = torch.arange(prefix + N).view(1, -1)
+        mask = key_pos <= query_pos
+        if sliding_window is not None:
+            mask &= query_pos - key_pos < sliding_window
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b].double().transpose(0, 1), k, v, attn_mask=mask, scale=D**-0.5
+        ).transpose(0, 1)
+        assert rel_err(out[b], ref) < 1e-5
+
+
+# (tree kinds, num_nodes, N, prefix_lens, block_size, layout, Hkv, G, D, window, soft cap)
+TREE_CASES = [
+    (("random", "forest", "star"), (11, 7, 1), 11, (0, 1, 150), 16, "contiguous", 2, 1, 32, None, None),
+    (("forest", "deep"), (13, 13), 13, (33, 0), 32, "kv_stacked", 1, 2, 64, None, None),
+    (("star", "random"), (6, 9), 9, (70, 1), 16, "hnd", 2, 3, 48, None, None),
+    (("deep", "random"), (10, 4), 12, (45, 20), 32, "hnd", 1, 2, 32, 5, None),
+    (("random", "chain"), (8, 8), 8, (100, 3), 16, "kv_stacked", 2, 3, 32, None, 5.0),
+    (("random", "forest"), (16, 12), 16, (64, 31), 16, "contiguous", 1, 3, 32, 9, 3.0),
+    (("random",), (5,), 5, (17,), 16, "hnd", 1, 1, 256, None, None),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", TREE_CASES, ids=[f"case{i}" for i in range(len(TREE_CASES))])
+def test_trees_match_naive(backend, case):
+    kinds, num_nodes, N, prefix_lens, bs, layout, Hkv, G, D, window, soft_cap = case
+    gen = torch.Generator().manual_seed(hash(case) % 2**31)
+    meta = make_meta(kinds, num_nodes, N, gen)
+    keys, values, block_table, _ = make_paged_batch(
+        prefix_lens, num_nodes, Hkv, D, bs, layout, torch.float32, gen
+    )
+    q = torch.randn(len(kinds), N, Hkv * G, D, generator=gen)
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+    scale = 0.7 * D**-0.5
+    out = torch.full_like(q, math.nan)
+    tree_attention(q, keys[0], values[0], block_table, prefix, meta, scale, window, soft_cap,
+                   backend=backend, out=out)
+    ref = naive_tree_attention(q, keys[0], values[0], block_table, prefix, meta, scale, window,
+                               soft_cap)
+    assert rel_err(out, ref) < 1e-5
+    assert (out[~meta.valid] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_torch_path(dtype):
+    # The interpreter's bf16 is unreliable (triton#11584): the Triton kernel's half
+    # dtypes are checked on CUDA by tools/bench_tree_ops.py.
+    gen = torch.Generator().manual_seed(23)
+    num_nodes, prefix_lens = (12, 5), (40, 0)
+    meta = make_meta(("random", "forest"), num_nodes, 12, gen)
+    keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 64, 16, "hnd",
+                                                    dtype, gen)
+    q = torch.randn(2, 12, 6, 64, generator=gen).to(dtype)
+    prefix = torch.tensor(prefix_lens)
+    out = tree_attention(q, keys[0], values[0], block_table, prefix, meta, 0.125, backend="torch")
+    assert out.dtype == dtype
+    ref = naive_tree_attention(q, keys[0], values[0], block_table, prefix, meta, 0.125)
+    assert rel_err(out, ref) < 1e-2
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_kv_commit_moves_the_accepted_path(backend, layout):
+    gen = torch.Generator().manual_seed(len(layout) * 31 + len(backend))
+    dtype = torch.float32 if backend == "triton" else torch.bfloat16
+    num_nodes, prefix_lens, N = (10, 7, 1), (5, 30, 0), 10
+    meta = make_meta(("random", "forest", "chain"), num_nodes, N, gen)
+    keys, values, block_table, _ = make_paged_batch(
+        prefix_lens, num_nodes, 2, 16, 16, layout, dtype, gen, num_layers=3
+    )
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+    for node in range(-1, N):
+        leaf = torch.tensor([node if node < n else -1 for n in num_nodes])
+        got_k, got_v = [k.clone() for k in keys], [v.clone() for v in values]
+        tree_kv_commit(got_k, got_v, block_table, prefix, meta, leaf, backend=backend)
+        ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]
+        naive_tree_kv_commit(ref_k, ref_v, block_table, prefix, meta, leaf)
+        # By hand: the path's rows, gathered from the untouched caches, land at
+        # prefix + depth; every other row keeps its bits (NaN padding included).
+        hand_k, hand_v = [k.clone() for k in keys], [v.clone() for v in values]
+        for b in range(len(num_nodes)):
+            if leaf[b] < 0:
+                continue
+            path = meta.ancestors[b, leaf[b]].nonzero().squeeze(1).tolist()
+            for depth, j in enumerate(path):
+                dst, src = prefix_lens[b] + depth, prefix_lens[b] + j
+                for hand, orig in ((hand_k, keys), (hand_v, values)):
+                    for layer in range(3):
+                        hand[layer][block_table[b, dst // 16], dst % 16] = \
+                            orig[layer][block_table[b, src // 16], src % 16]
+        for got, ref, hand in ((got_k, ref_k, hand_k), (got_v, ref_v, hand_v)):
+            for layer in range(3):
+                assert same_bits(got[layer], ref[layer])
+                assert same_bits(got[layer], hand[layer])
+
+
+def test_bad_inputs_name_the_argument():
+    gen = torch.Generator().manual_seed(2)
+    num_nodes, prefix_lens = (4, 3), (10, 0)
+    meta = make_meta(("chain", "star"), num_nodes, 4, gen)
+    keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 32, 16,
+                                                    "contiguous", torch.float32, gen)
+    q = torch.randn(2, 4, 4, 32, generator=gen)
+    good = dict(q=q, key_cache=keys[0], value_cache=values[0], block_table=block_table,
+                prefix_lens=torch.tensor(prefix_lens), meta=meta, scale=0.2)
+    bad_cases = {
+        "q": q[:, :3],
+        "key_cache": keys[0][..., :16],
+        "value_cache": values[0].double(),
+        "block_table": block_table.float(),
+        "prefix_lens": torch.tensor([10, 40]),
+        "scale": -1.0,
+        "sliding_window": 0,
+        "logits_soft_cap": -2.0,
+        "backend": "cuda",
+        "out": torch.empty(2, 4, 4, 16),
+    }
+    for name, value in bad_cases.items():
+        with pytest.raises(ValueError, match=name):
+            tree_attention(**{**good, name: value})
+    with pytest.raises(ValueError, match="key_cache"):
+        tree_attention(**{**good, "q": torch.randn(2, 4, 3, 32)})  # Hq not a multiple of Hkv
+
+    leaf = torch.tensor([3, 2])
+    args = (block_table, torch.tensor(prefix_lens), meta)
+    with pytest.raises(ValueError, match="value_caches"):
+        tree_kv_commit(keys, [], *args, leaf)
+    with pytest.raises(ValueError, match="value_caches"):
+        tree_kv_commit(keys, [values[0].transpose(1, 2).contiguous().transpose(1, 2)], *args, leaf)
+    with pytest.raises(ValueError, match="accepted_leaf"):
+        tree_kv_commit(keys, values, *args, torch.tensor([4, 2]))
+    with pytest.raises(ValueError, match="prefix_lens"):
+        tree_kv_commit(keys, values, block_table, torch.tensor([10, 60]), meta, leaf)

@@ -1,0 +1,158 @@
+"""Commit of the accepted path's K/V: node ``j`` of the path moves from logical
+position ``prefix_len + j`` to ``prefix_len + depth(j)``, for every attention layer.
+
+Path nodes have increasing indices from root to leaf and ``depth(j) <= j``, so
+a move never writes a position that a later (deeper) move reads; copying in
+index order is the sequential semantics, and so is reading every source before
+writing any destination.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.tree_attention.paged import (
+    check_block_table,
+    check_paged_cache,
+    check_positions_fit,
+    physical_index,
+)
+from triton_ops.tree_conv.backend import use_triton
+from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
+
+# Element copies move raw bits, so fp8 caches (often held as uint8) work too.
+_BITS_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
+CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
+                torch.float8_e5m2, torch.uint8)
+# Device tables of cache base pointers, keyed by the pointers themselves. Engine
+# caches never move, so after the first step no host-to-device copy is needed
+# (and a CUDA-graph capture finds the table ready).
+_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
+_MAX_POINTER_TABLES = 16
+
+
+@triton.jit
+def _tree_kv_commit_kernel(
+    pointers_ptr, block_table_ptr, prefix_ptr, leaf_ptr, depths_ptr, words_ptr,
+    block_size, row_elems, D,
+    stride_tb, stride_tk,
+    stride_db, stride_dn,
+    stride_wb, stride_wn, stride_ww,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    ELEM: tl.constexpr, BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    cache = tl.load(pointers_ptr + tl.program_id(1)).to(tl.pointer_type(ELEM))
+    leaf = tl.load(leaf_ptr + b)
+    prefix_len = tl.load(prefix_ptr + b)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    within_row = (offs // D) * stride_ch + (offs % D) * stride_cd
+    table = block_table_ptr + b * stride_tb
+    # Node 0 can only sit at depth 0: the first possible move is node 1. Each
+    # thread copies the same elements on every iteration, so its own program
+    # order keeps a row's read ahead of a later overwrite of that row.
+    for j in range(1, leaf + 1):
+        word = tl.load(words_ptr + b * stride_wb + leaf * stride_wn + (j // 64) * stride_ww)
+        depth = tl.load(depths_ptr + b * stride_db + j * stride_dn)
+        if (((word >> (j % 64)) & 1) != 0) & (depth != j):
+            src = prefix_len + j
+            dst = prefix_len + depth
+            src_block = tl.load(table + (src // block_size) * stride_tk).to(tl.int64)
+            dst_block = tl.load(table + (dst // block_size) * stride_tk).to(tl.int64)
+            row = tl.load(cache + src_block * stride_cb + (src % block_size) * stride_ct + within_row,
+                          mask=mask)
+            tl.store(cache + dst_block * stride_cb + (dst % block_size) * stride_ct + within_row,
+                     row, mask=mask)
+
+
+def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
+    key = (caches[0].device, *(cache.data_ptr() for cache in caches))
+    table = _POINTER_TABLES.get(key)
+    if table is None:
+        if len(_POINTER_TABLES) >= _MAX_POINTER_TABLES:
+            _POINTER_TABLES.pop(next(iter(_POINTER_TABLES)))
+        table = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64,
+                             device=caches[0].device)
+        _POINTER_TABLES[key] = table
+    return table
+
+
+def tree_kv_commit(
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    meta: TreeMetadata,
+    accepted_leaf: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """Move the accepted nodes' K/V to contiguous positions after the prefix, in place.
+
+    Args:
+        key_caches, value_caches: one [num_blocks, block_size, Hkv, D] view per
+            attention layer, all of the same shape, strides and dtype.
+        block_table: [B, max_blocks] int32/int64.
+        prefix_lens: [B] int32/int64, committed tokens before the tree.
+        meta: tree metadata of the step.
+        accepted_leaf: [B] int32/int64, last accepted node, -1 = nothing moves.
+        backend: ``"auto"`` (one Triton launch for all layers on CUDA, PyTorch
+            elsewhere), ``"torch"`` or ``"triton"``.
+    """
+    key_caches, value_caches = list(key_caches), list(value_caches)
+    if not key_caches or len(key_caches) != len(value_caches):
+        raise ValueError(
+            f"key_caches and value_caches must be non-empty lists of equal length, "
+            f"got {len(key_caches)} and {len(value_caches)}"
+        )
+    caches = key_caches + value_caches
+    first = caches[0]
+    for index, cache in enumerate(caches):
+        name = f"key_caches[{index}]" if index < len(key_caches) else \
+            f"value_caches[{index - len(key_caches)}]"
+        check_paged_cache(name, cache, tuple(first.shape) if index else None, CACHE_DTYPES)
+        if cache.stride() != first.stride() or cache.dtype != first.dtype or \
+                cache.device != first.device:
+            raise ValueError(
+                f"{name} must share key_caches[0]'s strides {first.stride()}, dtype "
+                f"{first.dtype} and device {first.device}, got {cache.stride()} {cache.dtype} "
+                f"{cache.device}"
+            )
+    B = meta.batch_size
+    device = first.device
+    check_block_table(block_table, prefix_lens, B, device)
+    if accepted_leaf.device != device:
+        raise ValueError(f"accepted_leaf must be on {device}, got {accepted_leaf.device}")
+    if device.type == "cpu":
+        check_accepted_leaf(accepted_leaf, meta)
+        check_positions_fit(block_table, prefix_lens, meta.num_nodes, first.shape[1])
+    elif accepted_leaf.shape != (B,):
+        raise ValueError(f"accepted_leaf must have shape [{B}], got {list(accepted_leaf.shape)}")
+
+    if not use_triton(backend, device):
+        node = torch.arange(meta.max_nodes, device=device)
+        moves = meta.path_mask(accepted_leaf) & (node != meta.depths)
+        b, j = moves.nonzero(as_tuple=True)
+        prefix = prefix_lens.long()[b]
+        src_block, src_offset = physical_index(block_table[b], (prefix + j).view(-1, 1), first.shape[1])
+        dst_block, dst_offset = physical_index(
+            block_table[b], (prefix + meta.depths[b, j].long()).view(-1, 1), first.shape[1]
+        )
+        for cache in caches:
+            cache[dst_block[:, 0], dst_offset[:, 0]] = cache[src_block[:, 0], src_offset[:, 0]]
+        return
+
+    _, block_size, Hkv, D = first.shape
+    row_elems = Hkv * D
+    BLOCK = min(1024, triton.next_power_of_2(row_elems))
+    words = meta.ancestor_words
+    grid = (B, len(caches), triton.cdiv(row_elems, BLOCK))
+    _tree_kv_commit_kernel[grid](
+        _pointer_table(caches), block_table, prefix_lens, accepted_leaf, meta.depths, words,
+        block_size, row_elems, D,
+        *block_table.stride(), *meta.depths.stride(), *words.stride(), *first.stride(),
+        ELEM=_BITS_TYPE[first.element_size()], BLOCK=BLOCK,
+        num_warps=4,
+    )
