@@ -31,7 +31,8 @@ def make_config(layout, K=6, num_layers=2, **extra):
 
 def make_target(seed):
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(VOCAB, D_EMBED, generator=gen), torch.randn(VOCAB, D_MODEL, generator=gen) / 8
+    embed = torch.randn(VOCAB, D_EMBED, generator=gen)
+    return embed, torch.randn(VOCAB, D_MODEL, generator=gen) / 8
 
 
 def make_round_inputs(rows, depth, seed, pool=POOL):
@@ -50,7 +51,8 @@ def make_round_inputs(rows, depth, seed, pool=POOL):
 
 
 def _norm(sd, name, x, eps=1e-6):
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * sd[f"{name}.weight"] + sd[f"{name}.bias"]
+    normed = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return normed * sd[f"{name}.weight"] + sd[f"{name}.bias"]
 
 
 def _lin(sd, name, x):
@@ -62,7 +64,8 @@ def _rope(t, positions, theta):
     # Pairs (i, i + hd/2) rotate by positions * theta^(-2i/hd): a complex product.
     half = t.shape[-1] // 2
     freq = theta ** (-torch.arange(half, dtype=torch.float64) * 2 / t.shape[-1])
-    turn = torch.polar(torch.ones(len(positions), half, dtype=torch.float64), positions[:, None] * freq)
+    angles = positions[:, None] * freq
+    turn = torch.polar(torch.ones_like(angles), angles)
     z = torch.complex(t[..., :half], t[..., half:]) * turn[:, None, :]
     return torch.cat([z.real, z.imag], -1)
 
@@ -102,7 +105,8 @@ def reference_path_logq(sd, cfg, h_v, hidden, pool_ids, pool_scores, embed, lm_h
     y = _norm(sd, "out_norm", x[depth + 1:])
     w_q = lm_head.double() @ sd["lm_head_query_in.weight"]
     rows = min(length, depth)
-    logits = pool_scores[:rows].double() + torch.einsum("lpd,ld->lp", w_q[pool_ids[:rows]], y[:rows])
+    residual = torch.einsum("lpd,ld->lp", w_q[pool_ids[:rows]], y[:rows])
+    logits = pool_scores[:rows].double() + residual
     return logits - torch.logsumexp(logits, -1, keepdim=True)
 
 
@@ -166,7 +170,13 @@ def run_plan(weaver, inputs, plan, max_nodes, calls):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "shape, rows, depth, width, calls",
-    [("random", 3, 6, 4, 6), ("random", 2, 4, 1, 8), ("chain", 2, 6, 2, 7), ("star", 1, 3, 5, 3), ("forest", 2, 5, 3, 5)],
+    [
+        ("random", 3, 6, 4, 6),
+        ("random", 2, 4, 1, 8),
+        ("chain", 2, 6, 2, 7),
+        ("star", 1, 3, 5, 3),
+        ("forest", 2, 5, 3, 5),
+    ],
 )
 def test_tree_round_matches_full_sequence_reference(layout, shape, rows, depth, width, calls):
     seed = random.randrange(2**31)
@@ -216,6 +226,24 @@ def test_batched_round_equals_one_request_at_a_time(layout):
             torch.testing.assert_close(got, logq[r : r + 1], atol=1e-5, rtol=0, msg=f"seed {seed}")
 
 
+def test_bf16_round_tracks_fp32():
+    seed = random.randrange(2**31)
+    weaver = random_weaver(make_config("rope_swiglu"), seed)
+    target = make_target(seed + 1)
+    inputs = make_round_inputs(2, 4, seed + 2)
+    outs = []
+    for dtype in (torch.float32, torch.bfloat16):
+        weaver = weaver.to(dtype)
+        weaver.prepare_tables(*target)
+        plan = TreePlan(2, 4, 9, 2, "random", seed + 3)
+        outs.append(torch.stack([logq for _, logq in run_plan(weaver, inputs, plan, 9, 4)[1]]))
+    assert outs[1].dtype == torch.float32
+    finite = torch.isfinite(outs[0])
+    assert torch.equal(finite, torch.isfinite(outs[1]))
+    probs = [o[finite].exp() for o in outs]
+    assert (probs[1] - probs[0]).abs().max().item() < 0.02, f"seed {seed}"
+
+
 def test_padding_and_last_depth_rows_write_nothing():
     weaver = random_weaver(make_config("rope_swiglu", K=2), 5)
     weaver.prepare_tables(*make_target(6))
@@ -256,8 +284,9 @@ def _ok_round(depth=3, max_nodes=6):
         ([[[1, 1], [1, 2]], [[1, 1], [1, 1]], [[0, 0], [0, 0]], [[1, 1], [1, 1]]], "appears twice"),
         ([[[1], [1]], [[1], [300]], [[0], [0]], [[1], [1]]], "tokens must lie"),
         ([[[1], [1]], [[1], [1]], [[0], [3]], [[1], [1]]], "no earlier expand call"),
-        ([[[1, 2], [1, 2]], [[1, 1], [1, 1]], [[0, 1], [0, 0]], [[1, 2], [1, 1]]], "no earlier expand call"),
-        ([[[1], [1]], [[1], [1]], [[0], [0]], [[2], [1]]], "parent's depth"),
+        # A parent added in the same call does not count.
+        ([[[1, 2], [1, 2]], [[1, 1], [1, 1]], [[0, 1], [0, 0]], [[1, 2], [1, 1]]], "no earlier"),
+        ([[[1], [1]], [[1], [1]], [[0], [0]], [[2], [1]]], "the parent.s \\+ 1"),
         ([[[1], [1]], [[1], [1]], [[-1], [0]], [[1], [1]]], "root"),
         ([[[1], [1]], [[1], [1]], [[0], [-2]], [[1], [1]]], "parent_index must be -1 or in"),
     ],
@@ -278,7 +307,10 @@ def test_expand_rejects_children_past_depth_d():
 def test_expand_rejects_bad_shapes():
     _, session = _ok_round()
     with pytest.raises(ValueError, match="tokens must be an int64"):
-        session.expand(torch.tensor([[1], [1]]), torch.tensor([[1], [1]]).int(), torch.tensor([[0], [0]]), torch.tensor([[1], [1]]))
+        node_index, tokens, parents, depths = torch.tensor(
+            [[[1], [1]], [[1], [1]], [[0], [0]], [[1], [1]]]
+        )
+        session.expand(node_index, tokens.int(), parents, depths)
     with pytest.raises(ValueError, match=r"node_index must be an int64 \[R=2"):
         session.expand(*torch.zeros(4, 3, 1, dtype=torch.int64))
 
@@ -363,7 +395,9 @@ def test_checkpoint_round_trips(layout, tmp_path):
     weaver = random_weaver(make_config(layout, note="kept"), seed)
     # Public tooling's own file.
     torch.save(_public_payload(weaver), tmp_path / "public.pth")
-    loaded = load_weaver(tmp_path / "public.pth", target_hidden_size=D_MODEL, target_vocab_size=VOCAB)
+    loaded = load_weaver(
+        tmp_path / "public.pth", target_hidden_size=D_MODEL, target_vocab_size=VOCAB
+    )
     assert loaded.config.layout == layout and loaded.config.extra["encoder_mode"] == 3
     _same_outputs(weaver, loaded, seed)
     # Our writers, both formats; unknown config keys survive.
@@ -403,25 +437,37 @@ def _mutated(tmp_path, mutate, name="bad.pth"):
     return tmp_path / name
 
 
+def _drop(field, key):
+    return lambda p: p[field].pop(key)
+
+
+def _set(field, **values):
+    return lambda p: p[field].update(values)
+
+
+def _tensor(key, value):
+    return lambda p: p["state_dict"].update({key: value})
+
+
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda p: p["state_dict"].pop("blocks.1.fc2.bias"), r"missing keys \['blocks.1.fc2.bias'\]"),
-        (lambda p: p["state_dict"].update({"blocks.0.extra.weight": torch.zeros(2)}), r"unexpected keys \['blocks.0.extra.weight'\]"),
-        (lambda p: p["state_dict"].update({"blocks.0.qkv_proj.weight": torch.zeros(2)}), "exactly one block layout"),
-        (lambda p: p["state_dict"].pop("blocks.0.q_proj.weight"), "exactly one block layout"),
-        (lambda p: p["state_dict"].update({"pos_emb": torch.zeros(7, D_RANK)}), r"state_dict\['pos_emb'\] has shape \[7, 32\]"),
-        (lambda p: p["state_dict"].update({"token_in.bias": torch.zeros(D_RANK, dtype=torch.int64)}), "must be a float tensor"),
-        (lambda p: p["metadata"].update(speculator_kind="eagle3"), "speculator_kind must be 'dflash_tfm_weaver', got 'eagle3'"),
+        (_drop("state_dict", "blocks.1.fc2.bias"), r"missing keys \['blocks.1.fc2.bias'\]"),
+        (_tensor("blocks.0.extra.weight", torch.zeros(2)), r"unexpected keys \['blocks.0.extra"),
+        (_tensor("blocks.0.qkv_proj.weight", torch.zeros(2)), "exactly one block layout"),
+        (_drop("state_dict", "blocks.0.q_proj.weight"), "exactly one block layout"),
+        (_tensor("pos_emb", torch.zeros(7, D_RANK)), r"\['pos_emb'\] has shape \[7, 32\]"),
+        (_tensor("token_in.bias", torch.zeros(D_RANK, dtype=torch.int64)), "must be a float"),
+        (_set("metadata", speculator_kind="eagle3"), "must be 'dflash_tfm_weaver', got 'eagle3'"),
         (lambda p: p.pop("metadata"), "field 'metadata' must be a dict"),
         (lambda p: p.update(extra_field=1), "unexpected top-level fields"),
-        (lambda p: p["config"].pop("d_rank"), r"missing required keys \['d_rank'\]"),
-        (lambda p: p["config"].update(K=0), r"config.K must be a positive integer"),
-        (lambda p: p["config"].update(K=1000), r"config.K \(max tree depth\) must be in"),
-        (lambda p: p["config"].update(candidate_pool_size=0), "config.candidate_pool_size must be"),
-        (lambda p: p["config"].update(encoder_mode=1), "config.encoder_mode must be"),
-        (lambda p: p["config"].update(activation="swiglu"), "config.activation must be 'gelu'"),
-        (lambda p: p["config"].update(layout="rope_swiglu"), "config.layout is 'rope_swiglu'"),
+        (_drop("config", "d_rank"), r"missing required keys \['d_rank'\]"),
+        (_set("config", K=0), r"config.K must be a positive integer"),
+        (_set("config", K=1000), r"config.K \(max tree depth\) must be in"),
+        (_set("config", candidate_pool_size=0), "config.candidate_pool_size must be"),
+        (_set("config", encoder_mode=1), "config.encoder_mode must be"),
+        (_set("config", activation="swiglu"), "config.activation must be 'gelu'"),
+        (_set("config", layout="rope_swiglu"), "config.layout is 'rope_swiglu'"),
     ],
 )
 def test_load_rejects_bad_checkpoints(tmp_path, mutate, match):

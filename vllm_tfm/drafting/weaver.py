@@ -168,7 +168,8 @@ class WeaverConfig:
     def to_public_dict(self) -> dict[str, Any]:
         """The config as public loaders expect it: their key names, no layout key."""
         out = dict(self.extra)
-        out.update({key: getattr(self, key) for key in (*_REQUIRED_KEYS, "K", "candidate_pool_size")})
+        for key in (*_REQUIRED_KEYS, "K", "candidate_pool_size"):
+            out[key] = getattr(self, key)
         if self.layout == "rope_swiglu":
             out.update(rope_base=self.rope_theta, activation="swiglu")
         if self.rms_eps != 1e-6:
@@ -246,7 +247,8 @@ class RopeSwigluBlock(_WeaverBlock):
 
     def qkv(self, x: torch.Tensor, positions: torch.Tensor):
         """x [..., d_rank], positions [...] int64 -> q, k (rotated), v [..., H, hd]."""
-        q, k, v = self.qkv_proj(self.norm_attn(x)).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+        qkv = self.qkv_proj(self.norm_attn(x))
+        q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
         half = self.head_dim // 2
         inv_freq = self.rope_theta ** (
             -torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
@@ -286,7 +288,8 @@ class Weaver(nn.Module):
         self.token_in = nn.Linear(config.d_embed, config.d_rank)
         self.proposal_in = nn.Linear(config.d_model, config.d_rank)
         self.lm_head_query_in = nn.Linear(config.d_rank, config.d_model, bias=False)
-        self.blocks = nn.ModuleList(_BLOCKS[config.layout](config) for _ in range(config.num_layers))
+        block = _BLOCKS[config.layout]
+        self.blocks = nn.ModuleList(block(config) for _ in range(config.num_layers))
         if config.layout == "learned_pos":
             self.pos_emb = nn.Parameter(torch.zeros(config.K, config.d_rank))
         # W_q [V, d_rank] and E' [V, d_rank]: derived from the target, never saved.
@@ -382,19 +385,24 @@ class Weaver(nn.Module):
         """
         cfg = self.config
         if self.query_table is None:
-            raise ValueError("prepare_tables(embed_weight, lm_head_weight) must run before start_round")
+            raise ValueError(
+                "prepare_tables(embed_weight, lm_head_weight) must run before start_round"
+            )
         if h_v.dim() != 2 or h_v.shape[1] != cfg.d_model:
             raise ValueError(f"h_v must be [R, d_model={cfg.d_model}], got {list(h_v.shape)}")
         rows = h_v.shape[0]
-        if dflash_hidden.dim() != 3 or dflash_hidden.shape[0] != rows or dflash_hidden.shape[2] != cfg.d_model:
+        if dflash_hidden.dim() != 3 or dflash_hidden.shape[::2] != (rows, cfg.d_model):
             raise ValueError(
                 f"dflash_hidden must be [R={rows}, D, d_model={cfg.d_model}], got "
                 f"{list(dflash_hidden.shape)}"
             )
         depth = dflash_hidden.shape[1]
         if not 1 <= depth <= cfg.K:
-            raise ValueError(f"dflash_hidden holds D={depth} positions; D must be in [1, K={cfg.K}]")
-        if pool_ids.dtype != torch.int64 or pool_ids.dim() != 3 or pool_ids.shape[:2] != (rows, depth):
+            raise ValueError(
+                f"dflash_hidden holds D={depth} positions; D must be in [1, K={cfg.K}]"
+            )
+        ids_typed = pool_ids.dtype == torch.int64 and pool_ids.dim() == 3
+        if not ids_typed or pool_ids.shape[:2] != (rows, depth):
             raise ValueError(
                 f"pool_ids must be an int64 [R={rows}, D={depth}, P] tensor, got "
                 f"{pool_ids.dtype} {list(pool_ids.shape)}"
@@ -411,7 +419,12 @@ class Weaver(nn.Module):
             )
         if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 1:
             raise ValueError(f"max_nodes must be a positive int, got {max_nodes!r}")
-        for name, t in (("h_v", h_v), ("dflash_hidden", dflash_hidden), ("pool_ids", pool_ids), ("pool_scores", pool_scores)):
+        for name, t in (
+            ("h_v", h_v),
+            ("dflash_hidden", dflash_hidden),
+            ("pool_ids", pool_ids),
+            ("pool_scores", pool_scores),
+        ):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the Weaver on {self.device}")
         vocab = self.query_table.shape[0]
@@ -431,7 +444,9 @@ class Weaver(nn.Module):
             x = block.finish(x, torch.einsum("rhts,rshd->rthd", probs, v.float()))
             keys.append(k)
             values.append(v)
-        return WeaverRound(self, torch.stack(keys), torch.stack(values), pool_ids, pool_scores, max_nodes)
+        return WeaverRound(
+            self, torch.stack(keys), torch.stack(values), pool_ids, pool_scores, max_nodes
+        )
 
 
 def _may_sync(t: torch.Tensor) -> bool:
@@ -508,11 +523,20 @@ class WeaverRound:
             are -inf; padding rows write nothing.
         """
         rows = self.num_requests
-        for name, t in (("node_index", node_index), ("tokens", tokens), ("parent_index", parent_index), ("depths", depths)):
+        for name, t in (
+            ("node_index", node_index),
+            ("tokens", tokens),
+            ("parent_index", parent_index),
+            ("depths", depths),
+        ):
             if t.dim() != 2 or t.shape[0] != rows or t.dtype != torch.int64:
-                raise ValueError(f"{name} must be an int64 [R={rows}, w] tensor, got {t.dtype} {list(t.shape)}")
+                raise ValueError(
+                    f"{name} must be an int64 [R={rows}, w] tensor, got {t.dtype} {list(t.shape)}"
+                )
             if t.shape != node_index.shape:
-                raise ValueError(f"{name} has shape {list(t.shape)}, node_index {list(node_index.shape)}")
+                raise ValueError(
+                    f"{name} has shape {list(t.shape)}, node_index {list(node_index.shape)}"
+                )
             if t.device != self.node_depth.device:
                 raise ValueError(f"{name} is on {t.device}, the round on {self.node_depth.device}")
         if _may_sync(node_index):
@@ -573,15 +597,23 @@ class WeaverRound:
         parent_depth = self.node_depth[batch, parent_index.clamp(0, n - 1)]
         same = node_index[:, :, None] == node_index[:, None, :]
         same &= real[:, :, None] & ~torch.eye(width, dtype=torch.bool, device=node_index.device)
+        used = self.node_depth[batch, node_index.clamp(0, n - 1)] >= 0
+        child = real & ~is_root
         checks = [
-            ((node_index < -1) | (node_index >= n), f"node_index must be -1 or in [0, max_nodes={n})"),
-            (real & (self.node_depth[batch, node_index.clamp(0, n - 1)] >= 0), "node_index was already used in this round"),
+            ((node_index < -1) | (node_index >= n), f"node_index must be -1 or in [0, {n})"),
+            (real & used, "node_index was already used in this round"),
             (same.any(-1), "node_index appears twice in one request"),
             (real & ((tokens < 0) | (tokens >= vocab)), f"tokens must lie in [0, V={vocab})"),
-            (real & ((parent_index < -1) | (parent_index >= n)), f"parent_index must be -1 or in [0, max_nodes={n})"),
-            (real & ~is_root & (parent_depth < 0), "parent_index names a node no earlier expand call added"),
+            (
+                real & ((parent_index < -1) | (parent_index >= n)),
+                f"parent_index must be -1 or in [0, {n})",
+            ),
+            (child & (parent_depth < 0), "parent_index names a node no earlier expand call added"),
             (real & is_root & (depths != 0), "a root (parent_index -1) must have depth 0"),
-            (real & ~is_root & (parent_depth >= 0) & (depths != parent_depth + 1), "depths must equal the parent's depth + 1"),
+            (
+                child & (parent_depth >= 0) & (depths != parent_depth + 1),
+                "depths must be the parent's + 1",
+            ),
             (real & (depths > d_max), f"depths must be at most D={d_max}"),
         ]
         flags = torch.stack([bad.any() for bad, _ in checks]).tolist()

@@ -31,7 +31,10 @@ SPECULATOR_KIND = "dflash_tfm_weaver"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # Block-0 keys that identify each layout.
-_LAYOUT_MARKERS = {"learned_pos": "blocks.0.q_proj.weight", "rope_swiglu": "blocks.0.qkv_proj.weight"}
+_LAYOUT_MARKERS = {
+    "learned_pos": "blocks.0.q_proj.weight",
+    "rope_swiglu": "blocks.0.qkv_proj.weight",
+}
 
 
 def load_weaver(
@@ -73,7 +76,9 @@ def load_weaver(
     return weaver.to(device=device, dtype=dtype).eval()
 
 
-def save_weaver_public(weaver: Weaver, path: str | Path, metadata: dict[str, Any] | None = None) -> None:
+def save_weaver_public(
+    weaver: Weaver, path: str | Path, metadata: dict[str, Any] | None = None
+) -> None:
     """Write ``weaver`` as a public ``.pth`` (config, state_dict, metadata)."""
     torch.save(
         {
@@ -85,7 +90,9 @@ def save_weaver_public(weaver: Weaver, path: str | Path, metadata: dict[str, Any
     )
 
 
-def save_weaver_safetensors(weaver: Weaver, directory: str | Path, metadata: dict[str, Any] | None = None) -> None:
+def save_weaver_safetensors(
+    weaver: Weaver, directory: str | Path, metadata: dict[str, Any] | None = None
+) -> None:
     """Write ``weaver`` as ``directory/config.json`` + ``directory/model.safetensors``."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -132,7 +139,8 @@ def _metadata(metadata: dict[str, Any] | None) -> dict[str, Any]:
 def _plain_state_dict(weaver: Weaver) -> dict[str, torch.Tensor]:
     # Fresh contiguous CPU copies: safetensors refuses shared or strided storage,
     # and torch.save would otherwise write whole storages behind views.
-    return {key: t.detach().to("cpu", copy=True).contiguous() for key, t in weaver.state_dict().items()}
+    state = weaver.state_dict()
+    return {key: t.detach().to("cpu", copy=True).contiguous() for key, t in state.items()}
 
 
 def _read_public_file(path: Path) -> dict[str, Any]:
@@ -145,7 +153,9 @@ def _read_public_file(path: Path) -> dict[str, Any]:
             f"not be unpickled in full. Cause: {str(err).splitlines()[0]}"
         ) from err
     if not isinstance(payload, dict):
-        raise ValueError(f"{path}: a public Weaver checkpoint is a dict, got {type(payload).__name__}")
+        raise ValueError(
+            f"{path}: a public Weaver checkpoint is a dict, got {type(payload).__name__}"
+        )
     return payload
 
 
@@ -169,12 +179,15 @@ def _build(payload: dict[str, Any], source: str) -> Weaver:
         raise ValueError(f"{source}: unexpected top-level fields {extra_fields}")
     for key in ("config", "state_dict", "metadata"):
         if not isinstance(payload.get(key), dict):
-            raise ValueError(f"{source}: field {key!r} must be a dict, got {type(payload.get(key)).__name__}")
+            found = type(payload.get(key)).__name__
+            raise ValueError(f"{source}: field {key!r} must be a dict, got {found}")
     kind = payload["metadata"].get("speculator_kind")
     if kind != SPECULATOR_KIND:
-        raise ValueError(f"{source}: metadata.speculator_kind must be {SPECULATOR_KIND!r}, got {kind!r}")
+        raise ValueError(
+            f"{source}: metadata.speculator_kind must be {SPECULATOR_KIND!r}, got {kind!r}"
+        )
     state_dict = payload["state_dict"]
-    not_tensors = sorted(key for key, value in state_dict.items() if not isinstance(value, torch.Tensor))
+    not_tensors = sorted(k for k, v in state_dict.items() if not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ValueError(f"{source}: state_dict entries that are not tensors: {not_tensors}")
     try:
@@ -209,10 +222,14 @@ def _check_state_dict(weaver: Weaver, state_dict: dict[str, torch.Tensor]) -> No
         raise ValueError(f"state_dict is missing keys {missing} (layout {weaver.config.layout!r})")
     unexpected = sorted(set(state_dict) - set(expected))
     if unexpected:
-        raise ValueError(f"state_dict has unexpected keys {unexpected} (layout {weaver.config.layout!r})")
+        raise ValueError(
+            f"state_dict has unexpected keys {unexpected} (layout {weaver.config.layout!r})"
+        )
     for key, want in expected.items():
         got = state_dict[key]
         if got.shape != want.shape:
-            raise ValueError(f"state_dict[{key!r}] has shape {list(got.shape)}, expected {list(want.shape)}")
+            raise ValueError(
+                f"state_dict[{key!r}] has shape {list(got.shape)}, expected {list(want.shape)}"
+            )
         if not got.is_floating_point():
             raise ValueError(f"state_dict[{key!r}] must be a float tensor, got {got.dtype}")
