@@ -233,10 +233,12 @@ def verify_triton(
     scale: float,
     use_qk_l2norm: bool,
     precision: str,
+    block_t: int = ROW_BLOCK,
     block_v: int | None = None,
     num_warps: int = 4,
 ) -> GDNTreeVerifyOutput:
-    """Launch the verify kernel; ``block_v`` / ``num_warps`` are tuning knobs for benchmarks."""
+    """Launch the verify kernel; ``block_t`` (row block), ``block_v`` and ``num_warps``
+    are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = _pow2_at_least_16(K)
@@ -252,7 +254,7 @@ def verify_triton(
         o, delta, gate_sum, k_normed,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
         scale, N, HV, K, V, words.shape[-1],
-        GROUP=HV // H, NP=_pow2_at_least_16(N), BT=ROW_BLOCK, BK=BK, BV=BV,
+        GROUP=HV // H, NP=max(_pow2_at_least_16(N), block_t), BT=block_t, BK=BK, BV=BV,
         USE_L2=use_qk_l2norm, PREC=precision, num_warps=num_warps,
     )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)

@@ -1,0 +1,379 @@
+"""Kernel benchmarks: correctness check on the device, then one timing table per op family.
+
+    python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--smoke]
+
+Each family is one ``bench_<family>(args) -> list[str]`` function returning its printed
+lines; ``main`` runs the selected ones and prints (and optionally saves) every table.
+``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing,
+to check the script itself without a GPU.
+
+Timings: ``do_bench`` is Triton's eager timer (it flushes L2 between calls but also
+counts host launch gaps when a kernel is shorter than its launch); ``graph`` replays a
+CUDA graph that runs the op once per "layer" over enough distinct layers' inputs to
+overflow L2 (as a model's consecutive layers do), reported per call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from triton_ops.gdn_tree import gdn_tree_commit, gdn_tree_verify, naive_recurrent_gdn_tree  # noqa: E402
+from triton_ops.gdn_tree.chunk_triton import verify_triton  # noqa: E402
+from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree  # noqa: E402
+from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
+
+L2_BYTES = 60 << 20
+
+
+# --- timing helpers ----------------------------------------------------------------------
+
+
+def time_eager(fn, device: torch.device) -> float:
+    """Median microseconds per call, Triton's do_bench on CUDA, wall clock on CPU."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return 1e3 * triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    fn()
+    return 1e6 * (time.perf_counter() - start)
+
+
+def time_graph(fns: list, device: torch.device, reps: int = 15) -> float:
+    """Median microseconds per call of a CUDA graph running ``fns`` (one per layer) in order."""
+    if device.type != "cuda":
+        return float("nan")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(1e3 * start.elapsed_time(end) / len(fns))
+    del graph
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device-to-device copy (read + write counted)."""
+    if device.type != "cuda":
+        return float("nan")
+    src = torch.empty(1 << 28, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    us = time_eager(lambda: dst.copy_(src), device)
+    return 2 * src.numel() * 4 / (us * 1e-6)
+
+
+def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return [title, line(header), line(["-" * w for w in widths]), *map(line, rows), ""]
+
+
+def fmt(x: float, digits: int = 1) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+# --- GDN tree verify / commit -------------------------------------------------------------
+
+
+def draft_tree(gen: torch.Generator, B: int, N: int, spread: int = 8) -> torch.Tensor:
+    """Random draft trees shaped like best-first search output: parents among recent nodes."""
+    parents = torch.full((B, N), -1, dtype=torch.int64)
+    for i in range(1, N):
+        parents[:, i] = torch.randint(max(0, i - spread), i, (B,), generator=gen)
+    return parents
+
+
+def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
+    """Inputs as the vLLM layer hands them over: pool stored [slots, HV, V, K], transposed view."""
+    num_slots = num_slots or B + 3
+    q = torch.randn(B, N, H, K, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(B, N, H, K, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(B, N, HV, V, generator=gen).to(device=device, dtype=dtype)
+    g = (-torch.nn.functional.softplus(torch.randn(B, N, HV, generator=gen) - 1.0)).to(device)
+    beta = torch.sigmoid(torch.randn(B, N, HV, generator=gen)).to(device=device, dtype=dtype)
+    pool = (0.3 * torch.randn(num_slots, HV, V, K, generator=gen)).to(device).transpose(-1, -2)
+    slots = torch.randperm(num_slots, generator=gen)[:B].to(device=device, dtype=torch.int32)
+    return q, k, v, g, beta, pool, slots
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return float((x.double() - ref).norm() / ref.norm())
+
+
+def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
+    """Triton verify/commit and the recurrent baseline against the float64 recurrence."""
+    cases = [
+        # B, N, H, HV, K, V, tree, partial node counts, state dtype
+        (3, 40, 2, 4, 16, 32, "tree", True, torch.float32),
+        (2, 64, 1, 3, 64, 64, "chain", False, torch.float32),
+        (4, 128, 2, 6, 128, 128, "tree", True, torch.float32),
+        (2, 100, 1, 2, 128, 128, "forest", True, torch.bfloat16),
+        (1, 64, 16, 48, 128, 128, "tree", False, torch.float32),
+    ]
+    if smoke:
+        cases = [c for c in cases if c[4] <= 64][:2]
+    rows, ok = [], True
+    gen = torch.Generator().manual_seed(0)
+    for B, N, H, HV, K, V, shape, partial, state_dtype in cases:
+        if shape == "chain":
+            parents = torch.arange(-1, N - 1).expand(B, N).contiguous()
+        else:
+            parents = draft_tree(gen, B, N)
+            if shape == "forest":
+                parents[:, 1::7] = -1
+        counts = torch.full((B,), N)
+        if partial:
+            counts[1:] = torch.randint(1, N + 1, (B - 1,), generator=gen)
+        meta = build_tree_metadata(parents.to(device), counts.to(device))
+        q, k, v, g, beta, pool, slots = gdn_inputs(gen, B, N, H, HV, K, V, torch.float32, device)
+        pool = pool.to(state_dtype)
+        ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+        out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
+        pad = ~meta.valid
+        pad_ok = all(bool((t[pad] == 0).all()) for t in (out.o, out.delta, out.gate_sum))
+        leaf = counts.to(device) - 1
+        new_pool = pool.clone()
+        gdn_tree_commit(new_pool, slots, meta, out, leaf)
+        want = ref_states[torch.arange(B, device=device), leaf]
+        commit_err = rel_err(new_pool[slots.long()], want)
+        rec_o, _ = fused_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+        errs = (rel_err(out.o, ref_o), commit_err, rel_err(rec_o, ref_o))
+        tol = 1e-4 if state_dtype == torch.float32 else 1e-2
+        passed = pad_ok and max(errs) < tol
+        ok &= passed
+        rows.append([
+            f"{B}x{N}x{H}/{HV}x{K}", shape + ("+pad" if partial else ""), str(state_dtype).split(".")[-1],
+            *(f"{e:.1e}" for e in errs), "ok" if passed else "FAIL",
+        ])
+    header = ["B x N x H/HV x K", "tree", "state", "verify err", "commit err", "recurrent err", "check"]
+    return table("GDN tree: fp32 inputs vs float64 per-node recurrence (relative norm error)", header, rows), ok
+
+
+def gdn_precision_table(device, smoke: bool) -> list[str]:
+    """Output error vs float64 at the model's head shape, B = 1, for each dot precision."""
+    H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
+    rows = []
+    gen = torch.Generator().manual_seed(1)
+    for N in (16, 64) if smoke else (16, 32, 64, 128):
+        meta = build_tree_metadata(draft_tree(gen, 1, N).to(device))
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v, g, beta, pool, slots = gdn_inputs(gen, 1, N, H, HV, K, V, dtype, device)
+            ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+            errs = [
+                rel_err(gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, precision=p).o, ref_o)
+                for p in ("tf32x3", "tf32", "ieee")
+            ]
+            rows.append([str(N), str(dtype).split(".")[-1], *(f"{e:.1e}" for e in errs)])
+    header = ["N", "inputs", "tf32x3", "tf32", "ieee"]
+    return table(f"GDN tree verify: output error vs float64 by dot precision (B=1, H={H}, HV={HV}, "
+                 f"K=V={K})", header, rows)
+
+
+def gdn_fla_chain(device, N: int, B: int, H: int, HV: int, K: int, V: int, layers: int):
+    """fla's chunk kernel on a chain of N tokens: (eager us, graph us, bf16 err, our bf16 err)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    gen = torch.Generator().manual_seed(2)
+    sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(layers)]
+    # fla takes the states gathered and [B, HV, K, V]-contiguous: gather outside the timing.
+    states = [s[5][s[6].long()].contiguous() for s in sets]
+
+    def call(i):
+        q, k, v, g, beta = sets[i][:5]
+        return chunk_gated_delta_rule(
+            q, k, v, g, beta, initial_state=states[i], output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+        )
+
+    eager = time_eager(lambda: call(0), device)
+    graph = time_graph([lambda i=i: call(i) for i in range(layers)], device)
+    err = ours = float("nan")
+    if B == 1:
+        q, k, v, g, beta, pool, slots = sets[0]
+        meta = build_tree_metadata(torch.arange(-1, N - 1, device=device).view(1, N))
+        ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+        err = rel_err(call(0)[0], ref_o)
+        ours = rel_err(gdn_tree_verify(q, k, v, g, beta, pool, slots, meta).o, ref_o)
+    return eager, graph, err, ours
+
+
+def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> list[str]:
+    H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
+    Ns = (16,) if smoke else (16, 32, 64, 128)
+    Bs = (1, 2) if smoke else (1, 8, 32)
+    rows, fla_rows = [], []
+    gen = torch.Generator().manual_seed(3)
+    for N in Ns:
+        for B in Bs:
+            if time.monotonic() > deadline:
+                rows.append([str(N), str(B), "(out of time)"] + [""] * 8)
+                continue
+            state_bytes = B * HV * K * V * 4
+            in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
+            out_bytes = B * N * (HV * V * (2 + 4) + HV * 8 + H * K * 4)
+            layers = max(1, min(16, math.ceil(2 * L2_BYTES / (state_bytes + in_bytes + out_bytes))))
+            meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
+            sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(layers)]
+            outs = [gdn_tree_verify(*s, meta) for s in sets]
+            leaf = torch.full((B,), N - 1, device=device)
+            depth = int(meta.depths[0, N - 1]) + 1
+            verify_eager = time_eager(lambda: gdn_tree_verify(*sets[0], meta), device)
+            verify_graph = time_graph([lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device)
+            commit_graph = time_graph(
+                [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
+                device,
+            )
+            node_states = torch.empty(B, N, HV, K, V, dtype=torch.float32, device=device)
+            rec_graph = time_graph(
+                [lambda s=s: fused_recurrent_gdn_tree(*s, meta, node_states=node_states) for s in sets],
+                device,
+            )
+            del node_states
+            verify_floor = 1e6 * (state_bytes + in_bytes + out_bytes) / bandwidth
+            commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
+            commit_floor = 1e6 * commit_bytes / bandwidth
+            rows.append([
+                str(N), str(B), str(layers), fmt(verify_eager), fmt(verify_graph), fmt(verify_floor),
+                fmt(commit_graph), fmt(commit_floor), fmt(rec_graph),
+                fmt(rec_graph / verify_graph if verify_graph else float("nan")),
+            ])
+            if device.type == "cuda" and time.monotonic() < deadline:
+                fla = gdn_fla_chain(device, N, B, H, HV, K, V, layers)
+                if fla is not None:
+                    eager, graph, err, ours = fla
+                    fla_rows.append([str(N), str(B), fmt(eager), fmt(graph), fmt(verify_graph),
+                                     "-" if math.isnan(err) else f"{err:.1e}",
+                                     "-" if math.isnan(ours) else f"{ours:.1e}"])
+            del sets, outs
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    header = ["N", "B", "layers", "verify eager", "verify graph", "verify floor", "commit graph",
+              "commit floor", "recurrent graph", "recurrent/verify"]
+    lines = table(
+        f"GDN tree (us per layer; H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state in vLLM's "
+        f"[slots, HV, V, K] layout, random draft trees; floor = bytes / {fmt(bandwidth / 1e12, 2)} TB/s)",
+        header, rows,
+    )
+    if fla_rows:
+        lines += table(
+            "fla 0.6.0 chunk_gated_delta_rule on a chain of N (us; bf16 output error vs float64, "
+            "ours on the same chain)",
+            ["N", "B", "fla eager", "fla graph", "ours graph (tree)", "fla bf16 err", "ours bf16 err"],
+            fla_rows,
+        )
+    return lines
+
+
+def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
+    """Verify kernel time per launch configuration (CUDA graph), at N = 64 and N = 128."""
+    if device.type != "cuda":
+        return []
+    H, HV, K, V = 16, 48, 128, 128
+    rows = []
+    gen = torch.Generator().manual_seed(4)
+    configs = [(bt, bv, w, "tf32x3") for bt in (16, 32) for bv in (32, 64, 128) for w in (4, 8)]
+    configs += [(16, 64, 4, "tf32"), (16, 64, 4, "ieee")]
+    for N, B in ((64, 1), (64, 32), (128, 1)):
+        meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
+        sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
+        for bt, bv, warps, prec in configs:
+            if time.monotonic() > deadline:
+                break
+
+            def call(s, bt=bt, bv=bv, warps=warps, prec=prec):
+                q, k, v, g, beta, pool, slots = s
+                return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
+                                     block_t=bt, block_v=bv, num_warps=warps)
+
+            try:
+                us = time_graph([lambda s=s: call(s) for s in sets], device)
+            except Exception as exc:  # a configuration that does not compile is reported, not fatal
+                us = float("nan")
+                print(f"config BT={bt} BV={bv} warps={warps} {prec}: {type(exc).__name__}: {exc}"[:300])
+            rows.append([str(N), str(B), str(bt), str(bv), str(warps), prec, fmt(us)])
+    return table("GDN tree verify launch configurations (us per layer, CUDA graph)",
+                 ["N", "B", "BT", "BV", "warps", "precision", "graph"], rows)
+
+
+def bench_gdn(args) -> list[str]:
+    device = torch.device("cpu" if args.smoke else "cuda")
+    deadline = time.monotonic() + args.budget_s
+    lines, ok = gdn_correctness(device, args.smoke)
+    print("\n".join(lines), flush=True)
+    bandwidth = copy_bandwidth(device)
+    timing = gdn_timing_table(device, args.smoke, bandwidth, deadline)
+    print("\n".join(timing), flush=True)
+    precision = gdn_precision_table(device, args.smoke)
+    print("\n".join(precision), flush=True)
+    sweep = gdn_config_sweep(device, args.smoke, deadline)
+    print("\n".join(sweep), flush=True)
+    if not ok:
+        args.failed.append("gdn")
+    return lines + timing + precision + sweep
+
+
+FAMILIES = {"gdn": bench_gdn}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
+    parser.add_argument("--out", type=Path, help="also write the tables to this file")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new timings after this")
+    args = parser.parse_args()
+    only = [name for name in args.only.split(",") if name]
+    unknown = sorted(set(only) - set(FAMILIES))
+    if unknown:
+        parser.error(f"--only: unknown families {unknown}; choose from {sorted(FAMILIES)}")
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--smoke runs the kernels interpreted: set TRITON_INTERPRET=1")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU, or pass --smoke")
+    args.failed = []
+    lines = []
+    if not args.smoke:
+        lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name in only:
+        lines += FAMILIES[name](args)
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+    if args.failed:
+        print(f"CORRECTNESS FAILED: {args.failed}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
