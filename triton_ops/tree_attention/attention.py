@@ -99,7 +99,7 @@ def _tree_attention_split_kernel(
     split = tl.program_id(1)
     b = tl.program_id(2) // Hkv
     h = tl.program_id(2) % Hkv
-    prefix_len = tl.load(prefix_ptr + b)
+    prefix_len = tl.load(prefix_ptr + b).to(tl.int32)
     num_rows = tl.load(num_nodes_ptr + b) * G
     # Rows are node-major: row r is query head h*G + r % G of node r // G.
     if pid_m * BLOCK_M >= num_rows:

@@ -46,7 +46,7 @@ def _tree_kv_commit_kernel(
     b = tl.program_id(0).to(tl.int64)
     cache = tl.load(pointers_ptr + tl.program_id(1)).to(tl.pointer_type(ELEM))
     leaf = tl.load(leaf_ptr + b)
-    prefix_len = tl.load(prefix_ptr + b)
+    prefix_len = tl.load(prefix_ptr + b).to(tl.int64)
     offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < row_elems
     within_row = (offs // D) * stride_ch + (offs % D) * stride_cd
