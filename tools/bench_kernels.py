@@ -79,6 +79,15 @@ def time_graph(fns: list, device: torch.device, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def guarded(label: str, fn) -> float:
+    """Run a timing; a failure is printed and reported as NaN so the other rows still run."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - benchmark tables report failures inline
+        print(f"{label}: {type(exc).__name__}: {exc}"[:400], flush=True)
+        return float("nan")
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Bytes per second of a large device-to-device copy (read + write counted)."""
     if device.type != "cuda":
@@ -188,11 +197,13 @@ def gdn_precision_table(device, smoke: bool) -> list[str]:
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, g, beta, pool, slots = gdn_inputs(gen, 1, N, H, HV, K, V, dtype, device)
             ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+            # Each precision is a separate compile per N: the others only where it matters most.
+            precisions = ("tf32x3", "tf32", "ieee") if N == 64 and dtype == torch.float32 else ("tf32x3",)
             errs = [
                 rel_err(gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, precision=p).o, ref_o)
-                for p in ("tf32x3", "tf32", "ieee")
+                for p in precisions
             ]
-            rows.append([str(N), str(dtype).split(".")[-1], *(f"{e:.1e}" for e in errs)])
+            rows.append([str(N), str(dtype).split(".")[-1], *(f"{e:.1e}" for e in errs), "-", "-"][:5])
     header = ["N", "inputs", "tf32x3", "tf32", "ieee"]
     return table(f"GDN tree verify: output error vs float64 by dot precision (B=1, H={H}, HV={HV}, "
                  f"K=V={K})", header, rows)
@@ -248,17 +259,18 @@ def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> 
             outs = [gdn_tree_verify(*s, meta) for s in sets]
             leaf = torch.full((B,), N - 1, device=device)
             depth = int(meta.depths[0, N - 1]) + 1
-            verify_eager = time_eager(lambda: gdn_tree_verify(*sets[0], meta), device)
-            verify_graph = time_graph([lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device)
-            commit_graph = time_graph(
+            verify_eager = guarded("verify eager", lambda: time_eager(lambda: gdn_tree_verify(*sets[0], meta), device))
+            verify_graph = guarded("verify graph", lambda: time_graph(
+                [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
+            commit_graph = guarded("commit graph", lambda: time_graph(
                 [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
                 device,
-            )
+            ))
             node_states = torch.empty(B, N, HV, K, V, dtype=torch.float32, device=device)
-            rec_graph = time_graph(
+            rec_graph = guarded("recurrent graph", lambda: time_graph(
                 [lambda s=s: fused_recurrent_gdn_tree(*s, meta, node_states=node_states) for s in sets],
                 device,
-            )
+            ))
             del node_states
             verify_floor = 1e6 * (state_bytes + in_bytes + out_bytes) / bandwidth
             commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
@@ -269,7 +281,11 @@ def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> 
                 fmt(rec_graph / verify_graph if verify_graph else float("nan")),
             ])
             if device.type == "cuda" and time.monotonic() < deadline:
-                fla = gdn_fla_chain(device, N, B, H, HV, K, V, layers)
+                try:
+                    fla = gdn_fla_chain(device, N, B, H, HV, K, V, layers)
+                except Exception as exc:  # noqa: BLE001 - fla is a baseline, not under test
+                    print(f"fla chunk N={N} B={B}: {type(exc).__name__}: {exc}"[:400], flush=True)
+                    fla = None
                 if fla is not None:
                     eager, graph, err, ours = fla
                     fla_rows.append([str(N), str(B), fmt(eager), fmt(graph), fmt(verify_graph),
@@ -296,7 +312,7 @@ def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> 
 
 
 def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
-    """Verify kernel time per launch configuration (CUDA graph), at N = 64 and N = 128."""
+    """Verify kernel time per launch configuration (CUDA graph), at N = 64."""
     if device.type != "cuda":
         return []
     H, HV, K, V = 16, 48, 128, 128
@@ -304,7 +320,7 @@ def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
     gen = torch.Generator().manual_seed(4)
     configs = [(bt, bv, w, "tf32x3") for bt in (16, 32) for bv in (32, 64, 128) for w in (4, 8)]
     configs += [(16, 64, 4, "tf32"), (16, 64, 4, "ieee")]
-    for N, B in ((64, 1), (64, 32), (128, 1)):
+    for N, B in ((64, 1), (64, 32)):
         meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         for bt, bv, warps, prec in configs:
@@ -362,11 +378,17 @@ def main() -> int:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     args.failed = []
+    args.started = time.monotonic()
     lines = []
     if not args.smoke:
-        lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+        import triton
+
+        lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+        print(lines[-1], flush=True)
     for name in only:
         lines += FAMILIES[name](args)
+    lines.append(f"total {time.monotonic() - args.started:.0f} s")
+    print(lines[-1])
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
     if args.failed:
