@@ -1,0 +1,676 @@
+"""Verifiers: exactness by enumeration, greedy walk, reproducibility, bad input.
+
+Exactness: on tiny vocabularies every outcome of a verifier (accepted path +
+bonus) is enumerated with its probability, using the verifier's own decision
+functions with controlled randomness (``target_only_walk``,
+``traversal_plan`` + ``traversal_walk``); each enumerated outcome is then
+replayed through the batched walk with crafted uniforms. Extended to a fixed
+horizon by target sampling, the law of the output sequence must equal the
+target's multi-step law to 1e-10.
+"""
+
+import itertools
+import math
+import zlib
+from dataclasses import fields
+
+import pytest
+import torch
+
+from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform, derive_seeds
+from vllm_tfm.drafting.verifiers import (
+    ORDER_STREAM,
+    TraversalPlan,
+    target_only_walk,
+    traversal_plan,
+    traversal_walk,
+    verify_greedy,
+    verify_target_only,
+    verify_traversal,
+)
+
+F64 = torch.float64
+TOL = 1e-10
+
+
+def seed_of(*parts) -> int:
+    """A seed from test parameters (str hashes vary between processes)."""
+    return zlib.crc32(repr(parts).encode())
+
+
+# -- a target (and draft) "model": a deterministic law per context ------------------
+
+class ContextLaw:
+    """next-token law of a context tuple, fixed by (seed, kind); float64 [V]."""
+
+    def __init__(self, vocab: int, seed: int, kind: str):
+        self.vocab, self.seed, self.kind = vocab, seed, kind
+        self.cache: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, context: tuple) -> torch.Tensor:
+        if context not in self.cache:
+            h = self.seed
+            for t in context:
+                h = (h * 1000003 + t + 7) % (1 << 61)
+            g = torch.Generator().manual_seed(h)
+            scale = {"smooth": 1.0, "peaky": 4.0, "zeros": 1.5, "onehot": 1.0}[self.kind]
+            logits = torch.randn(self.vocab, generator=g, dtype=F64) * scale
+            law = torch.softmax(logits, 0)
+            if self.kind == "zeros":
+                keep = torch.rand(self.vocab, generator=g) < 0.6
+                keep[int(torch.randint(0, self.vocab, (1,), generator=g))] = True
+                law = torch.where(keep, law, 0.0)
+                law = law / law.sum()
+            elif self.kind == "onehot":
+                law = torch.nn.functional.one_hot(law.argmax(), self.vocab).to(F64)
+            self.cache[context] = law
+        return self.cache[context]
+
+
+def target_sequence_law(law: ContextLaw, root: int, horizon: int) -> dict[tuple, float]:
+    out = {}
+    for seq in itertools.product(range(law.vocab), repeat=horizon):
+        p = 1.0
+        for k in range(horizon):
+            p *= float(law((root,) + seq[:k])[seq[k]])
+            if p == 0.0:
+                break
+        out[seq] = p
+    return out
+
+
+def extend_to_horizon(law: ContextLaw, root: int, outcomes: dict[tuple, float], horizon: int):
+    """Continue each output by target sampling to ``horizon`` tokens."""
+    out = {seq: 0.0 for seq in itertools.product(range(law.vocab), repeat=horizon)}
+    for prefix, weight in outcomes.items():
+        for rest in itertools.product(range(law.vocab), repeat=horizon - len(prefix)):
+            p = weight
+            for k in range(len(rest)):
+                p *= float(law((root,) + prefix + rest[:k])[rest[k]])
+            out[prefix + rest] += p
+    return out
+
+
+def assert_lossless(law: ContextLaw, root: int, outcomes: dict[tuple, float], horizon: int):
+    assert abs(sum(outcomes.values()) - 1.0) < TOL
+    got = extend_to_horizon(law, root, outcomes, horizon)
+    want = target_sequence_law(law, root, horizon)
+    err = max(abs(got[s] - want[s]) for s in want)
+    assert err < TOL, f"max law error {err:.3e}"
+
+
+# -- trees -------------------------------------------------------------------------
+
+SHAPES = {
+    "root": [-1],
+    "chain": [-1, 0, 1, 2],
+    "star": [-1, 0, 0, 0],
+    "bushy": [-1, 0, 0, 1, 1, 2],
+    "mixed": [-1, 0, 0, 1, 3, 1, 2],
+}
+
+
+def depths_of(parents):
+    depths = []
+    for p in parents:
+        depths.append(0 if p < 0 else depths[p] + 1)
+    return depths
+
+
+def make_tree(parents, vocab, gen, logq_kind="random"):
+    """One deterministic tree (R = 1): distinct sibling tokens, random draft log q."""
+    n = len(parents)
+    tokens = [int(torch.randint(0, vocab, (1,), generator=gen))]
+    for i in range(1, n):
+        used = {tokens[j] for j in range(1, i) if parents[j] == parents[i]}
+        free = [t for t in range(vocab) if t not in used]
+        tokens.append(free[int(torch.randint(0, len(free), (1,), generator=gen))])
+    logq = (torch.rand(n, generator=gen, dtype=F64) * 3 - 3).float()
+    logq[0] = 0.0
+    if logq_kind == "zero_child":
+        logq[n - 1] = float("-inf")
+    return DraftTree(
+        tokens=torch.tensor([tokens]),
+        parents=torch.tensor([parents], dtype=torch.int32),
+        depths=torch.tensor([depths_of(parents)], dtype=torch.int32),
+        num_nodes=torch.tensor([n], dtype=torch.int32),
+        draft_logq=logq[None],
+        max_depth=max(depths_of(parents)) + 1,
+    )
+
+
+def contexts(tree: DraftTree, r: int = 0) -> list[tuple]:
+    out = []
+    for i in range(int(tree.num_nodes[r])):
+        p = int(tree.parents[r, i])
+        out.append((out[p] if p >= 0 else ()) + (int(tree.tokens[r, i]),))
+    return out
+
+
+def target_probs(tree: DraftTree, law: ContextLaw) -> torch.Tensor:
+    ctx = contexts(tree)
+    probs = torch.full((1, tree.max_nodes, law.vocab), float("nan"), dtype=F64)
+    for i, c in enumerate(ctx):
+        probs[0, i] = law(c)
+    return probs
+
+
+def replicate(tree: DraftTree, rows: int) -> DraftTree:
+    return tree.select(torch.zeros(rows, dtype=torch.int64))
+
+
+def midpoint(weights: torch.Tensor, index: int) -> float:
+    cdf = weights.cumsum(0)
+    lo = 0.0 if index == 0 else float(cdf[index - 1])
+    return (lo + float(cdf[index])) / 2 / float(cdf[-1])
+
+
+def output_of(tree, path_nodes, bonus):
+    return tuple(int(tree.tokens[0, i]) for i in path_nodes[1:]) + (bonus,)
+
+
+def check_replay(tree, probs, walk, cases):
+    """Replay enumerated cases (expected path, bonus, uniforms) through a batched walk."""
+    rows = len(cases)
+    result = walk(replicate(tree, rows), probs.expand(rows, -1, -1), cases)
+    for row, (path_nodes, bonus, *_rest) in enumerate(cases):
+        assert int(result.accepted_leaf[row]) == path_nodes[-1]
+        assert int(result.accepted_len[row]) == len(path_nodes) - 1
+        assert result.path[row, : len(path_nodes)].tolist() == path_nodes
+        assert (result.path[row, len(path_nodes):] == -1).all()
+        assert int(result.bonus_token[row]) == bonus
+        out = output_of(tree, path_nodes, bonus)
+        assert result.output_tokens[row, : len(out)].tolist() == list(out)
+        assert (result.output_tokens[row, len(out):] == -1).all()
+
+
+# -- target-only --------------------------------------------------------------------
+
+def enumerate_target_only(tree, probs):
+    children = {i: [] for i in range(int(tree.num_nodes[0]))}
+    for i in range(1, int(tree.num_nodes[0])):
+        children[int(tree.parents[0, i])].append(i)
+    cases = []
+
+    def visit(node, path, weight, uniforms):
+        row = probs[0, node]
+        for x in range(row.shape[0]):
+            if row[x] == 0:
+                continue
+            u = dict(uniforms)
+            u[node] = midpoint(row, x)
+            w = weight * float(row[x] / row.sum())
+            nxt = [c for c in children[node] if int(tree.tokens[0, c]) == x]
+            if nxt:
+                visit(nxt[0], path + [nxt[0]], w, u)
+            else:
+                cases.append((path, x, w, u))
+
+    visit(0, [0], 1.0, {})
+    return cases
+
+
+def run_target_only_cases(tree, probs, cases):
+    uniforms = torch.full((len(cases), tree.max_nodes), 0.5, dtype=F64)
+    for row, (_, _, _, u) in enumerate(cases):
+        for node, value in u.items():
+            uniforms[row, node] = value
+    return target_only_walk(tree, probs, uniforms)
+
+
+KINDS = ("smooth", "peaky", "zeros", "onehot")
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("vocab", [3, 4])
+def test_target_only_is_lossless(shape, kind, vocab):
+    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab))
+    tree = make_tree(SHAPES[shape], vocab, gen)
+    law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    probs = target_probs(tree, law)
+    cases = enumerate_target_only(tree, probs)
+    check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c), cases)
+    outcomes = {}
+    for path, bonus, weight, _ in cases:
+        key = output_of(tree, path, bonus)
+        outcomes[key] = outcomes.get(key, 0.0) + weight
+    root = int(tree.tokens[0, 0])
+    assert_lossless(law, root, outcomes, max(depths_of(SHAPES[shape])) + 1)
+
+
+# -- traversal ----------------------------------------------------------------------
+
+def enumerate_plan(tree, probs, plan):
+    """Every (path, bonus) of a plan with its probability and the uniforms that pick it."""
+    K = plan.children.shape[2]
+    cases = []
+
+    def visit(node, path, weight, uniforms):
+        choice = plan.choice[0, node]
+        assert abs(float(choice.sum()) - 1.0) < 1e-9
+        for j in range(K + 1):
+            if choice[j] <= 0:
+                continue
+            u = dict(uniforms)
+            u[node] = midpoint(choice, j)
+            w = weight * float(choice[j] / choice.sum())
+            if j < K:
+                child = int(plan.children[0, node, j])
+                assert child >= 0
+                visit(child, path + [child], w, u)
+                continue
+            law = plan.bonus_distribution(probs, torch.tensor([node]))[0]
+            assert abs(float(law.sum()) - 1.0) < 1e-9
+            for b in range(law.shape[0]):
+                if law[b] > 0:
+                    cases.append((path, b, w * float(law[b] / law.sum()), u, midpoint(law, b)))
+
+    visit(0, [0], 1.0, {})
+    return cases
+
+
+def run_traversal_cases(tree, probs, plan, cases):
+    rows = len(cases)
+    choice_u = torch.full((rows, tree.max_nodes), 0.5, dtype=F64)
+    bonus_u = torch.empty(rows, dtype=F64)
+    for row, (_, _, _, u, ub) in enumerate(cases):
+        for node, value in u.items():
+            choice_u[row, node] = value
+        bonus_u[row] = ub
+    wide = TraversalPlan(**{
+        f.name: getattr(plan, f.name).index_select(0, torch.zeros(rows, dtype=torch.int64))
+        for f in fields(TraversalPlan)
+    })
+    return traversal_walk(tree, wide, probs, choice_u, bonus_u)
+
+
+def sibling_orders(tree):
+    """All visiting orders of every node's children, with their w/o-replacement
+    probability under q restricted to the siblings (zero-mass children last,
+    in node order, as the verifier's stable sort leaves them)."""
+    n = int(tree.num_nodes[0])
+    kids = {v: [i for i in range(1, n) if int(tree.parents[0, i]) == v] for v in range(n)}
+    per_node = []
+    for v, ch in kids.items():
+        if len(ch) < 2:
+            continue
+        q = torch.exp(tree.draft_logq[0, ch].double())
+        options = []
+        for perm in itertools.permutations(range(len(ch))):
+            positive = [k for k in perm if q[k] > 0]
+            zero = [k for k in perm if q[k] == 0]
+            if list(perm) != positive + zero or zero != sorted(zero):
+                continue
+            p, left = 1.0, float(q.sum())
+            for k in positive:
+                p *= float(q[k]) / left
+                left -= float(q[k])
+            options.append(([ch[k] for k in perm], p))
+        per_node.append(options)
+    for combo in itertools.product(*per_node):
+        keys = torch.zeros(1, tree.max_nodes, dtype=F64)
+        weight = 1.0
+        for order, p in combo:
+            weight *= p
+            for rank, node in enumerate(order):
+                keys[0, node] = -rank
+        yield keys, weight
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("vocab,logq_kind", [(3, "random"), (4, "random"), (4, "zero_child")])
+def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind):
+    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab, logq_kind))
+    tree = make_tree(SHAPES[shape], vocab, gen, logq_kind)
+    law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    probs = target_probs(tree, law)
+    outcomes = {}
+    for keys, order_weight in sibling_orders(tree):
+        plan = traversal_plan(tree, probs, keys)
+        assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
+        cases = enumerate_plan(tree, probs, plan)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        for path, bonus, weight, _, _ in cases:
+            # On a deterministic tree a drawn child token is always accepted.
+            leaf_children = [
+                int(tree.tokens[0, i]) for i in range(1, tree.max_nodes)
+                if int(tree.parents[0, i]) == path[-1] and tree.draft_logq[0, i] > float("-inf")
+            ]
+            assert bonus not in leaf_children
+            key = output_of(tree, path, bonus)
+            outcomes[key] = outcomes.get(key, 0.0) + weight * order_weight
+    assert_lossless(law, int(tree.tokens[0, 0]), outcomes, max(depths_of(SHAPES[shape])) + 1)
+
+
+SAMPLED_SHAPES = {
+    "chain": [-1, 0, 1],
+    "star": [-1, 0, 0],
+    "bushy": [-1, 0, 0, 1, 1, 2],
+    "deep": [-1, 0, 1, 1, 2],
+}
+
+
+def sampled_trees(parents, pool_ids, draft, root):
+    """Every realisation of a sampled tree of this shape, with its probability.
+
+    ``draft(context)`` gives float32 log q over the pool row of the context's
+    last node; the law drawn from is its float64 softmax, as in the builder.
+    Children of node u are an ordered draw without replacement from it; once
+    its mass is spent the remaining slots take the zero-mass ids in pool
+    order, as the builder's stable sort does.
+    """
+    n = len(parents)
+    depths = depths_of(parents)
+    kids = {v: [i for i in range(1, n) if parents[i] == v] for v in range(n)}
+    D, P = pool_ids.shape
+    internal = [v for v in range(n) if kids[v]]
+
+    def draws(q, k, taken=()):
+        if k == 0:
+            yield [], 1.0
+            return
+        mass = float(q.sum())
+        if mass == 0:
+            yield [i for i in range(P) if i not in taken][:k], 1.0
+            return
+        for i in range(P):
+            if q[i] > 0:
+                rest = q.clone()
+                rest[i] = 0
+                for tail, p in draws(rest, k - 1, taken + (i,)):
+                    yield [i] + tail, float(q[i]) / mass * p
+
+    def realise(index, tokens, weight):
+        if index == len(internal):
+            yield list(tokens), weight
+            return
+        v = internal[index]
+        q = torch.softmax(draft(tuple(tokens[j] for j in path_of(v))).double(), 0)
+        for picks, p in draws(q, len(kids[v])):
+            for child, pos in zip(kids[v], picks):
+                tokens[child] = int(pool_ids[depths[v], pos])
+            yield from realise(index + 1, tokens, weight * p)
+
+    def path_of(v):
+        out = []
+        while v >= 0:
+            out.append(v)
+            v = parents[v]
+        return out[::-1]
+
+    for tokens, weight in realise(0, [root] + [0] * (n - 1), 1.0):
+        proposal = torch.full((1, n, P), float("-inf"))
+        logq = torch.zeros(1, n)
+        for v in range(n):
+            row = draft(tuple(tokens[j] for j in path_of(v)))
+            if kids[v]:
+                proposal[0, v] = row
+            for child in kids[v]:
+                pos = int((pool_ids[depths[v]] == tokens[child]).nonzero()[0, 0])
+                logq[0, child] = row[pos]
+        yield DraftTree(
+            tokens=torch.tensor([tokens]),
+            parents=torch.tensor([parents], dtype=torch.int32),
+            depths=torch.tensor([depths], dtype=torch.int32),
+            num_nodes=torch.tensor([n], dtype=torch.int32),
+            draft_logq=logq,
+            max_depth=D,
+            pool_ids=pool_ids[None],
+            proposal_logq=proposal,
+        ), weight
+
+
+@pytest.mark.parametrize("shape", list(SAMPLED_SHAPES))
+@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros", "onehot"])
+@pytest.mark.parametrize("vocab,pool", [(3, 3), (5, 3)])
+def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool):
+    """Exact over the tree's draws too: pools smaller than the vocabulary put
+    target mass off the proposal's support; the draft law has zero-mass ids."""
+    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab, pool))
+    parents = SAMPLED_SHAPES[shape]
+    D = max(depths_of(parents)) + 1
+    pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool] for _ in range(D)])
+    law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    draft_full = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), "zeros")
+
+    def draft(ctx):  # log q over the pool row of a depth-(len(ctx) - 1) node
+        q = draft_full(ctx)[pool_ids[len(ctx) - 1]]
+        if q.sum() == 0:
+            q = torch.ones_like(q)
+        return torch.log(q / q.sum()).float()
+
+    root = int(torch.randint(0, vocab, (1,), generator=gen))
+    outcomes, total = {}, 0.0
+    for tree, tree_weight in sampled_trees(parents, pool_ids, draft, root):
+        total += tree_weight
+        tree.validate(vocab_size=vocab)
+        probs = target_probs(tree, law)
+        plan = traversal_plan(tree, probs)
+        assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
+        cases = enumerate_plan(tree, probs, plan)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        for path, bonus, weight, _, _ in cases:
+            key = output_of(tree, path, bonus)
+            outcomes[key] = outcomes.get(key, 0.0) + weight * tree_weight
+    assert abs(total - 1.0) < 1e-12
+    assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)
+
+
+def test_traversal_beats_target_only_on_sampled_chain():
+    """The reason traversal exists: on a chain drawn from q = p it accepts
+    every token, while target-only accepts a drawn token with prob p(x)."""
+    vocab = 4
+    law = ContextLaw(vocab, 11, "smooth")
+    pool_ids = torch.arange(vocab).expand(2, -1)
+    accepted = {"traversal": 0.0, "target_only": 0.0}
+    draft = lambda c: torch.log(law(c)).float()  # noqa: E731  (q = p up to float32)
+    for tree, weight in sampled_trees([-1, 0, 1], pool_ids, draft, 0):
+        probs = target_probs(tree, law)
+        plan = traversal_plan(tree, probs)
+        for path, _, w, _, _ in enumerate_plan(tree, probs, plan):
+            accepted["traversal"] += weight * w * (len(path) - 1)
+        for path, _, w, _ in enumerate_target_only(tree, probs):
+            accepted["target_only"] += weight * w * (len(path) - 1)
+    assert abs(accepted["traversal"] - 2.0) < 1e-5
+    assert accepted["target_only"] < 1.5
+
+
+# -- the production randomness, statistically --------------------------------------
+
+def frequencies(results: list[tuple]) -> dict[tuple, int]:
+    out = {}
+    for r in results:
+        out[r] = out.get(r, 0) + 1
+    return out
+
+
+def assert_close_in_law(counts: dict, law: dict, n: int):
+    """Every outcome's frequency within 5 standard errors (+ slack) of its law."""
+    for key in set(counts) | set(law):
+        p = law.get(key, 0.0)
+        f = counts.get(key, 0) / n
+        assert p > 0 or f == 0, f"outcome {key} has probability 0 but was drawn"
+        assert abs(f - p) <= 5 * math.sqrt(p * (1 - p) / n) + 2 / n, (key, f, p)
+
+
+@pytest.mark.parametrize("verifier", ["target_only", "traversal"])
+def test_seeded_verifiers_match_their_law(verifier):
+    vocab, n = 4, 20000
+    gen = torch.Generator().manual_seed(5)
+    tree = make_tree(SHAPES["mixed"], vocab, gen)
+    law = ContextLaw(vocab, 99, "smooth")
+    probs = target_probs(tree, law)
+    big = replicate(tree, n)
+    seeds = torch.arange(n, dtype=torch.int64) * 7919 + 3
+    fn = verify_target_only if verifier == "target_only" else verify_traversal
+    result = fn(big, probs.expand(n, -1, -1), seeds)
+    counts = frequencies([
+        tuple(row[row >= 0].tolist()) for row in result.output_tokens
+    ])
+    if verifier == "target_only":
+        cases = [(c[0], c[1], c[2]) for c in enumerate_target_only(tree, probs)]
+    else:
+        cases = []
+        for keys, w in sibling_orders(tree):
+            plan = traversal_plan(tree, probs, keys)
+            cases += [(c[0], c[1], c[2] * w) for c in enumerate_plan(tree, probs, plan)]
+    exact = {}
+    for path, bonus, w in cases:
+        key = output_of(tree, path, bonus)
+        exact[key] = exact.get(key, 0.0) + w
+    assert_close_in_law(counts, exact, n)
+
+
+def test_sibling_order_keys_sample_without_replacement():
+    n = 40000
+    logq = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05], dtype=F64))
+    seeds = torch.arange(n, dtype=torch.int64) + 17
+    keys = logq + counter_gumbel(seeds, ORDER_STREAM, torch.arange(4).expand(n, -1))
+    counts = frequencies([tuple(r) for r in keys.argsort(-1, descending=True)[:, :2].tolist()])
+    q = logq.exp().tolist()
+    law = {(a, b): q[a] * q[b] / (1 - q[a]) for a in range(4) for b in range(4) if a != b}
+    assert_close_in_law(counts, law, n)
+
+
+def test_counter_uniform_is_uniform_and_independent():
+    n = 200000
+    u = counter_uniform(torch.tensor([5, 6]), 3, torch.arange(n).expand(2, -1))
+    assert u.dtype == F64 and (u >= 0).all() and (u < 1).all()
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / math.sqrt(12 * n))
+    bins = torch.histc(u[0].float(), bins=10, min=0, max=1) / n
+    assert (bins - 0.1).abs().max() < 5 * math.sqrt(0.1 * 0.9 / n)
+    assert abs(float(torch.corrcoef(u)[0, 1])) < 5 / math.sqrt(n)
+    assert not torch.equal(counter_uniform(torch.tensor([5]), 4, torch.arange(10)[None]), u[:1, :10])
+
+
+# -- greedy -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_is_the_argmax_walk(shape, seed):
+    gen = torch.Generator().manual_seed(seed * 31 + len(shape))
+    vocab, R = 4, 6
+    trees = [make_tree(SHAPES[shape], vocab, gen) for _ in range(R)]
+    tree = DraftTree(**{
+        f.name: (torch.cat([getattr(t, f.name) for t in trees])
+                 if isinstance(getattr(trees[0], f.name), torch.Tensor) else getattr(trees[0], f.name))
+        for f in fields(DraftTree)
+    })
+    # Half the rows follow the tree as far as it goes: plant the child's token as argmax.
+    target = torch.randn(R, tree.max_nodes, vocab, generator=gen)
+    for r in range(0, R, 2):
+        for i in range(1, tree.max_nodes):
+            target[r, int(tree.parents[r, i]), int(tree.tokens[r, i])] += 10 * (i == 1 or i % 2 == 1)
+    result = verify_greedy(tree, target)
+    for r in range(R):
+        node = 0
+        while True:
+            x = int(target[r, node].argmax())
+            nxt = [i for i in range(1, tree.max_nodes)
+                   if int(tree.parents[r, i]) == node and int(tree.tokens[r, i]) == x]
+            if not nxt:
+                break
+            node = nxt[0]
+        assert int(result.accepted_leaf[r]) == node
+        assert int(result.bonus_token[r]) == x
+        assert int(result.accepted_len[r]) == int(tree.depths[r, node])
+
+
+# -- reproducibility and batching -------------------------------------------------
+
+def mixed_batch(gen, vocab=4):
+    """Three requests with different shapes and node counts, padded to one N."""
+    shapes = [SHAPES["mixed"], SHAPES["star"], SHAPES["chain"]]
+    trees = [make_tree(s, vocab, gen) for s in shapes]
+    N = max(t.max_nodes for t in trees)
+
+    def pad(t, name, fill):
+        x = getattr(t, name)
+        return torch.nn.functional.pad(x, (0, N - x.shape[1]), value=fill)
+
+    tree = DraftTree(
+        tokens=torch.cat([pad(t, "tokens", 0) for t in trees]),
+        parents=torch.cat([pad(t, "parents", -1) for t in trees]),
+        depths=torch.cat([pad(t, "depths", 0) for t in trees]),
+        num_nodes=torch.cat([t.num_nodes for t in trees]),
+        draft_logq=torch.cat([pad(t, "draft_logq", 0.0) for t in trees]),
+        max_depth=max(t.max_depth for t in trees),
+    )
+    probs = torch.softmax(torch.randn(3, N, vocab, generator=gen, dtype=F64) * 2, -1)
+    return tree, probs
+
+
+@pytest.mark.parametrize("verifier", [verify_target_only, verify_traversal])
+def test_seeds_reproduce_and_ignore_the_batch(verifier):
+    gen = torch.Generator().manual_seed(77)
+    tree, probs = mixed_batch(gen)
+    seeds = torch.tensor([11, 12, 13])
+    first = verifier(tree, probs, seeds)
+    again = verifier(tree, probs, seeds)
+    for f in fields(first):
+        assert torch.equal(getattr(first, f.name), getattr(again, f.name))
+    # Request 2 alone, and requests (2, 0) reversed, give the same results.
+    for rows in ([2], [2, 0]):
+        idx = torch.tensor(rows)
+        sub = verifier(tree.select(idx), probs[idx], seeds[idx])
+        for f in fields(first):
+            assert torch.equal(getattr(sub, f.name), getattr(first, f.name)[idx])
+    # Fresh step seeds draw other numbers: over many steps the outputs vary.
+    outs = {tuple(verifier(tree, probs, derive_seeds(seeds, step)).output_tokens[0].tolist())
+            for step in range(40)}
+    assert len(outs) > 1
+
+
+def test_padding_rows_never_leak():
+    """Padding nodes hold NaN target rows: results must stay finite and in range."""
+    gen = torch.Generator().manual_seed(3)
+    tree, probs = mixed_batch(gen)
+    probs = probs.masked_fill(~tree.valid[..., None], float("nan"))
+    for result in (
+        verify_target_only(tree, probs, torch.tensor([1, 2, 3])),
+        verify_traversal(tree, probs, torch.tensor([1, 2, 3])),
+        verify_greedy(tree, probs.nan_to_num(-1.0)),
+    ):
+        assert (result.accepted_leaf < tree.num_nodes.long()).all()
+        assert ((result.bonus_token >= 0) & (result.bonus_token < 4)).all()
+    plan = traversal_plan(tree, probs, tree.draft_logq.double())
+    for name in ("alpha", "accept", "choice", "residual", "outside_scale"):
+        value = getattr(plan, name)
+        mask = tree.valid if value.dim() == 2 else tree.valid[..., None]
+        assert not torch.isnan(value[mask.expand_as(value)]).any(), name
+
+
+# -- bad input ------------------------------------------------------------------------
+
+def test_bad_inputs_name_the_field():
+    gen = torch.Generator().manual_seed(8)
+    tree, probs = mixed_batch(gen)
+    seeds = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match="probs"):
+        verify_target_only(tree, probs[:, :2], seeds)
+    with pytest.raises(ValueError, match="probs"):
+        verify_traversal(tree, probs.long(), seeds)
+    with pytest.raises(ValueError, match="target"):
+        verify_greedy(tree, probs[0])
+    with pytest.raises(ValueError, match="seeds"):
+        verify_traversal(tree, probs, seeds.int())
+    with pytest.raises(ValueError, match="seeds"):
+        verify_target_only(tree, probs, seeds[:2])
+    with pytest.raises(ValueError, match="tokens"):
+        verify_greedy(tree, probs[..., :2])  # tokens beyond the vocabulary
+    with pytest.raises(ValueError, match="sibling_keys"):
+        traversal_plan(tree, probs, torch.zeros(2, 2))
+    bad = DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
+                       "parents": tree.parents.clone().index_fill_(1, torch.tensor([2]), 5)})
+    with pytest.raises(ValueError, match="parents"):
+        verify_target_only(bad, probs, seeds)
+    dup = tree.tokens.clone()
+    dup[1, 2] = dup[1, 1]
+    with pytest.raises(ValueError, match="tokens"):
+        verify_traversal(DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
+                                      "tokens": dup}), probs, seeds)
+    with pytest.raises(ValueError, match="draft_logq"):
+        DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
+                     "draft_logq": tree.draft_logq.double()})

@@ -1,0 +1,457 @@
+"""Tree verification: one accepted root-to-node path plus a bonus token per request.
+
+Inputs are a :class:`DraftTree` and the target's next-token distribution at
+every node, ``probs`` [R, N, V] (row i = the distribution after node i's
+path, temperature / top-k / top-p already applied; rows are normalised here
+in float64). Randomness comes from per-request seeds ([R] int64) through
+counter-based hashes (:func:`vllm_tfm.drafting.tree.counter_uniform`), so a
+request's result depends only on its own seed, tree and probs. Derive a
+fresh seed per step (:func:`vllm_tfm.drafting.tree.derive_seeds`).
+
+Verifiers:
+
+* greedy: follow the child whose token is the target's argmax; the bonus is
+  the argmax at the deepest accepted node.
+* target_only: at each node draw x ~ p(node); move to the child holding x,
+  else stop with x as the bonus. The output is a target sample by
+  construction, whatever the tree: lossless for every tree. For a tree that
+  is a deterministic function of the drafter (chain, DDTree, Weaver
+  best-first) it is also optimal: any lossless verifier accepts a path with
+  probability at most its target probability, and this one reaches it for
+  every path at once.
+* traversal: Traversal Verification (Weng et al. 2025, arXiv 2505.12398),
+  see :func:`traversal_plan`. Its gain over target_only needs trees whose
+  children were SAMPLED from the draft distribution
+  (:func:`vllm_tfm.drafting.builders.build_sampled_tree`). On a
+  deterministic tree it is run with the proposal "the drafter's q restricted
+  to the retained children, visited in an order sampled without
+  replacement"; it is lossless there too, but its outcome distribution then
+  equals target_only's (lossless and a child token is never the bonus), at
+  a higher cost.
+
+Each verifier is split into a randomness-free decision part
+(:func:`target_only_walk`, :func:`traversal_plan` + :func:`traversal_walk`)
+that takes explicit uniforms, so tests can enumerate every outcome exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform
+
+# counter_uniform streams (the sampled builder uses stream 1).
+TARGET_ONLY_STREAM = 2
+ORDER_STREAM = 3
+CHOICE_STREAM = 4
+BONUS_STREAM = 5
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    """The accepted path of R requests; W = tree.max_depth + 1.
+
+    Attributes:
+        accepted_leaf: [R] int64 deepest accepted node (0 = only the root).
+        accepted_len: [R] int64 drafted tokens accepted (root excluded).
+        path: [R, W] int64 node indices root..leaf, -1 after the leaf.
+        bonus_token: [R] int64 the token sampled after the leaf.
+        output_tokens: [R, W] int64 the accepted drafted tokens then the bonus
+            (accepted_len + 1 tokens), -1 after.
+    """
+
+    accepted_leaf: torch.Tensor
+    accepted_len: torch.Tensor
+    path: torch.Tensor
+    bonus_token: torch.Tensor
+    output_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class TraversalPlan:
+    """Traversal verification's outcome law on one realised tree (float64).
+
+    S is the proposal support size: K (the children) on deterministic
+    trees, P (the pool row) on sampled trees. K+1 choices per node: its
+    children in visiting order, then "stop here".
+
+    Attributes:
+        children: [R, N, K] int64 children in visiting order, -1 padded.
+        alpha: [R, N] acceptance weight p_alpha a node is tested with.
+        accept: [R, N] probability that the node's subtree accepts a path when
+            tested with ``alpha``.
+        choice: [R, N, K+1] law of where the accepted path goes next, given that
+            the node's subtree accepts: into child j's subtree, or stop.
+        support: [R, N, S] int64 proposal support tokens, -1 padded.
+        residual: [R, N, S] the bonus law at the node on the support, after all
+            its children were rejected.
+        outside_scale: [R, N] the bonus law off the support is
+            ``outside_scale * p(x)``.
+    """
+
+    children: torch.Tensor
+    alpha: torch.Tensor
+    accept: torch.Tensor
+    choice: torch.Tensor
+    support: torch.Tensor
+    residual: torch.Tensor
+    outside_scale: torch.Tensor
+
+    def bonus_distribution(self, probs: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
+        """[R, V] float64 law of the bonus token when ``node`` ([R]) stops the walk."""
+        R, _, V = probs.shape
+        batch = torch.arange(R, device=probs.device)
+        row = probs[batch, node].double()
+        law = row / _row_total(row) * self.outside_scale[batch, node, None]
+        support = self.support[batch, node]
+        law = torch.cat([law, law.new_zeros(R, 1)], 1)
+        law.scatter_(1, torch.where(support >= 0, support, V), self.residual[batch, node])
+        return law[:, :V]
+
+
+def sample_index(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: [M, C] non-negative weights, [M] uniforms in [0, 1) -> [M] int64.
+
+    Index i is returned iff ``cdf[i-1] <= u * total < cdf[i]`` (cdf of the
+    float64 weights), so zero-weight entries are never returned.
+    """
+    cdf = weights.double().cumsum(-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniforms.double()[:, None] * total, torch.nextafter(total, total * 0))
+    return torch.searchsorted(cdf, point, right=True)[:, 0].clamp(max=weights.shape[1] - 1)
+
+
+def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) -> VerifyResult:
+    """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs."""
+    _check_target(tree, target, "target", validate)
+    batch = torch.arange(tree.batch_size, device=target.device)
+    return _descend(tree, lambda node: target[batch, node].argmax(-1))
+
+
+def verify_target_only(
+    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True
+) -> VerifyResult:
+    """Target-only verification (lossless for any tree). ``probs``: [R, N, V]."""
+    _check_target(tree, probs, "probs", validate)
+    _check_seeds(tree, seeds)
+    return target_only_walk(tree, probs, counter_uniform(seeds, TARGET_ONLY_STREAM, _node_ids(tree)))
+
+
+def target_only_walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> VerifyResult:
+    """Target-only with explicit randomness: node i draws ``sample_index(p_i, uniforms[:, i])``."""
+    batch = torch.arange(tree.batch_size, device=probs.device)
+    return _descend(tree, lambda node: sample_index(probs[batch, node], uniforms[batch, node]))
+
+
+def verify_traversal(
+    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True
+) -> VerifyResult:
+    """Traversal verification; sibling order sampled on deterministic trees.
+
+    On a deterministic tree each node's children are visited in the order of
+    ``draft_logq + Gumbel`` (sampling without replacement from q restricted to
+    the children); sampled trees are visited in their sample (node) order.
+    """
+    _check_target(tree, probs, "probs", validate)
+    _check_seeds(tree, seeds)
+    nodes = _node_ids(tree)
+    keys = None
+    if not tree.sampled:
+        keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes)
+    plan = traversal_plan(tree, probs, keys)
+    return traversal_walk(
+        tree,
+        plan,
+        probs,
+        counter_uniform(seeds, CHOICE_STREAM, nodes),
+        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1])[:, 0],
+    )
+
+
+def traversal_plan(
+    tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None
+) -> TraversalPlan:
+    """Traversal verification's exact outcome law on a realised tree.
+
+    The algorithm (Weng et al., Algorithm 1) tests leaves in post-order,
+    deepest first. A node x reached with weight alpha under a parent whose
+    state is (alpha_u, p_u, q_u) has alpha_x = min(1, alpha_u p_u(x) / q_u(x));
+    the path to a tested leaf is accepted with probability alpha_leaf, the
+    bonus then drawn from p at the leaf. When a node x is rejected and
+    deleted, its parent's state becomes
+
+        Z       = sum_v [alpha_u p_u(v) - q_u(v)]_+
+        p_u    <- [alpha_u p_u - q_u]_+ / Z
+        alpha_u <- Z / (1 - alpha_u + Z)
+        q_u    <- q_u without x, renormalised          (sampling w/o replacement)
+
+    and the parent becomes a leaf once all its children are gone. Induction
+    over the tree gives: if each node's children are an ordered sample
+    without replacement from q_u (so the next child is distributed as the
+    current q_u) and subtrees are drawn independently given their paths,
+    a node tested with alpha accepts continuation s with probability
+    alpha * P_target(s) and is rejected with probability 1 - alpha; at the
+    root (alpha = 1) the output is an exact target sample.
+
+    Rather than replaying coins leaf by leaf, this computes the same outcome
+    law top-down: every state update depends only on the tree, so the
+    alphas of all nodes follow from one pass per depth (siblings in visiting
+    order), subtree acceptance probabilities A from one pass per depth
+    upward (A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v,
+    alpha'_v after all children's rejections), and the walk draws at each
+    node "child j" or "stop" with those probabilities over A_v.
+
+    Proposals: sampled trees use ``proposal_logq`` over the node's pool row
+    (children in node order = sample order). Deterministic trees use q
+    restricted to the retained children and renormalised, visited in the
+    order of ``sibling_keys`` ([R, N] float, per-node key, descending); a
+    child whose restricted q underflows to 0 is treated as not drafted.
+
+    Args:
+        tree: the draft trees.
+        probs: [R, N, V] target probabilities per node.
+        sibling_keys: [R, N] visiting-order keys, deterministic trees only;
+            None visits children in node order.
+    """
+    R, N = tree.tokens.shape
+    device = tree.tokens.device
+    batch = torch.arange(R, device=device)[:, None, None]
+    children, _ = tree.children()
+    K = children.shape[2]
+    present = children >= 0
+    if sibling_keys is not None:
+        if tree.sampled:
+            raise ValueError("sibling_keys must be None for sampled trees (children are in sample order)")
+        if sibling_keys.shape != (R, N):
+            raise ValueError(f"sibling_keys must have shape [{R}, {N}], got {list(sibling_keys.shape)}")
+        keys = torch.where(present, sibling_keys[batch, children.clamp(min=0)], float("-inf"))
+        # Stable: padding (at the end, key -inf) stays behind every real child.
+        children = children.gather(-1, torch.sort(keys, dim=-1, descending=True, stable=True)[1])
+        present = children >= 0
+    child_token = torch.where(present, tree.tokens[batch, children.clamp(min=0)], -1)
+
+    if tree.sampled:
+        pool = tree.pool_ids
+        support = pool[batch[..., 0], tree.depths.long().clamp(max=pool.shape[1] - 1)]
+        proposal = _softmax_or_zero(tree.proposal_logq.double())
+        match = child_token[..., None] == support[:, :, None, :]
+        child_pos = torch.where(match.any(-1), match.long().argmax(-1), -1)
+    else:
+        support = child_token
+        logq = torch.where(present, tree.draft_logq[batch, children.clamp(min=0)], float("-inf"))
+        proposal = _softmax_or_zero(logq.double())
+        child_pos = torch.where(present, torch.arange(K, device=device), -1)
+    total = _row_total(probs)
+    target = torch.where(support >= 0, probs.gather(-1, support.clamp(min=0)).double(), 0.0)
+    target = target / total
+    outside = (1 - target.sum(-1)).clamp(min=0)
+
+    levels = int(tree.depths.max()) + 1  # one host read
+    flat_children = torch.where(present, children, N).view(R, -1)
+    alpha = torch.zeros(R, N, dtype=torch.float64, device=device)
+    alpha[:, 0] = 1
+    for _ in range(levels):
+        child_alpha, last_alpha, residual, scale = _visit_children(
+            alpha, target, outside, proposal, child_pos
+        )
+        # Pass t starts from alphas exact down to depth t, so the last pass
+        # sees converged alphas and its final sibling states are the real ones.
+        alpha = _place(child_alpha, flat_children, R, N)
+
+    accept = last_alpha
+    for _ in range(levels):
+        accept, before, after_all, child_accept = _subtree_accept(accept, last_alpha, children, present)
+    stop = after_all * last_alpha
+    choice = torch.cat([before * child_accept, stop[..., None]], -1)
+    choice = choice / torch.where(accept > 0, accept, 1.0)[..., None]
+    return TraversalPlan(
+        children=children,
+        alpha=alpha,
+        accept=accept,
+        choice=choice,
+        support=support,
+        residual=residual,
+        outside_scale=scale,
+    )
+
+
+def traversal_walk(
+    tree: DraftTree,
+    plan: TraversalPlan,
+    probs: torch.Tensor,
+    choice_uniforms: torch.Tensor,
+    bonus_uniforms: torch.Tensor,
+) -> VerifyResult:
+    """Sample the path and bonus from a plan with explicit randomness.
+
+    Node i picks ``sample_index(plan.choice[:, i], choice_uniforms[:, i])``
+    ([R, N] uniforms); the bonus is ``sample_index(bonus law, bonus_uniforms)``.
+    """
+    R = tree.batch_size
+    K = plan.children.shape[2]
+    batch = torch.arange(R, device=probs.device)
+    node = torch.zeros(R, dtype=torch.int64, device=probs.device)
+    done = torch.zeros(R, dtype=torch.bool, device=probs.device)
+    for _ in range(tree.max_depth + 1):
+        pick = sample_index(plan.choice[batch, node], choice_uniforms[batch, node])
+        done = done | (pick >= K)
+        if K:
+            step = plan.children[batch, node, pick.clamp(max=K - 1)]
+            node = torch.where(done, node, step)
+    bonus = sample_index(plan.bonus_distribution(probs, node), bonus_uniforms)
+    return _finish(tree, node, bonus)
+
+
+def _place(values: torch.Tensor, flat_children: torch.Tensor, R: int, N: int) -> torch.Tensor:
+    """Alphas per node from per-(parent, slot) values; the root keeps 1."""
+    alpha = values.new_zeros(R, N + 1)
+    alpha.scatter_(1, flat_children, values.view(R, -1))
+    alpha[:, 0] = 1
+    return alpha[:, :N]
+
+
+def _visit_children(alpha, target, outside, proposal, child_pos):
+    """Run every node's sibling loop from its weight ``alpha`` [R, N].
+
+    The residual target at a node is kept as ``scale * p`` off the support
+    plus explicit values ``residual`` on it (p normalised). Returns the
+    children's alphas [R, N, K] and the node's final (alpha, residual, scale).
+    """
+    a = alpha
+    residual = target
+    scale = torch.ones_like(alpha)
+    q = proposal
+    child_alpha = torch.zeros(child_pos.shape, dtype=torch.float64, device=alpha.device)
+    for j in range(child_pos.shape[-1]):
+        pos = child_pos[..., j]
+        at = pos.clamp(min=0)[..., None]
+        q_x = q.gather(-1, at)[..., 0]
+        # A zero-mass child cannot have been drawn: it is not part of the draft.
+        real = (pos >= 0) & (q_x > 0)
+        p_x = residual.gather(-1, at)[..., 0]
+        child_alpha[..., j] = torch.where(real, (a * p_x / torch.where(real, q_x, 1.0)).clamp(max=1), 0.0)
+        excess = (a[..., None] * residual - q).clamp(min=0)
+        z = excess.sum(-1) + a * scale * outside
+        alive = real & (z > 0)
+        z_safe = torch.where(alive, z, 1.0)
+        left = q.scatter(-1, at, 0.0)
+        left_mass = left.sum(-1, keepdim=True)
+        new_q = torch.where(left_mass > 0, left / torch.where(left_mass > 0, left_mass, 1.0), 0.0)
+        # With z = 0 the rejection has probability 0: the state is never used.
+        new_a = torch.where(alive, z / (1 - a + z_safe), 0.0)
+        new_residual = torch.where(alive[..., None], excess / z_safe[..., None], 0.0)
+        new_scale = torch.where(alive, a * scale / z_safe, 0.0)
+        a = torch.where(real, new_a, a)
+        residual = torch.where(real[..., None], new_residual, residual)
+        scale = torch.where(real, new_scale, scale)
+        q = torch.where(real[..., None], new_q, q)
+    return child_alpha, a, residual, scale
+
+
+def _subtree_accept(accept, last_alpha, children, present):
+    """One upward pass of A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v."""
+    R, N, K = children.shape
+    child_accept = torch.where(
+        present, accept.gather(1, children.clamp(min=0).view(R, -1)).view(R, N, K), 0.0
+    )
+    survive = torch.cumprod(1 - child_accept, dim=-1)
+    before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], -1)
+    after_all = survive[..., -1] if K else torch.ones_like(accept)
+    new_accept = (before * child_accept).sum(-1) + after_all * last_alpha
+    return new_accept, before, after_all, child_accept
+
+
+def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dim; rows without a finite entry give zeros."""
+    if logits.shape[-1] == 0:
+        return logits.clone()
+    top = logits.amax(-1, keepdim=True)
+    finite = top > float("-inf")
+    weights = torch.exp(logits - torch.where(finite, top, 0.0))
+    mass = weights.sum(-1, keepdim=True)
+    return torch.where(finite, weights / torch.where(finite, mass, 1.0), 0.0)
+
+
+def _row_total(rows: torch.Tensor) -> torch.Tensor:
+    """[..., 1] float64 row sums, 1 for empty rows (padding nodes)."""
+    total = rows.sum(-1, keepdim=True, dtype=torch.float64)
+    return torch.where(total > 0, total, 1.0)
+
+
+def _node_ids(tree: DraftTree) -> torch.Tensor:
+    return torch.arange(tree.max_nodes, device=tree.tokens.device).expand(tree.batch_size, -1)
+
+
+def _descend(tree: DraftTree, pick) -> VerifyResult:
+    """Walk from the root: ``pick(node [R]) -> token [R]``; move to the child
+    holding that token, else stop with it as the bonus."""
+    R = tree.batch_size
+    device = tree.tokens.device
+    children, _ = tree.children()
+    K = children.shape[2]
+    batch = torch.arange(R, device=device)
+    child_token = torch.where(children >= 0, tree.tokens[batch[:, None, None], children.clamp(min=0)], -1)
+    node = torch.zeros(R, dtype=torch.int64, device=device)
+    bonus = torch.zeros(R, dtype=torch.int64, device=device)
+    done = torch.zeros(R, dtype=torch.bool, device=device)
+    for _ in range(tree.max_depth + 1):
+        token = pick(node)
+        bonus = torch.where(done, bonus, token)
+        if K:
+            match = child_token[batch, node] == token[:, None]
+            found = match.any(-1) & ~done
+            step = children[batch, node].gather(1, match.long().argmax(-1, keepdim=True))[:, 0]
+            node = torch.where(found, step, node)
+        else:
+            found = torch.zeros_like(done)
+        done = done | ~found
+    return _finish(tree, node, bonus)
+
+
+def _finish(tree: DraftTree, leaf: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+    R = tree.batch_size
+    width = tree.max_depth + 1
+    device = leaf.device
+    path = torch.full((R, width + 1), -1, dtype=torch.int64, device=device)
+    parents, depths = tree.parents.long(), tree.depths.long()
+    node = leaf
+    for _ in range(width):
+        real = node >= 0
+        at = node.clamp(min=0)[:, None]
+        path.scatter_(1, torch.where(real[:, None], depths.gather(1, at), width), node[:, None])
+        node = torch.where(real, parents.gather(1, at)[:, 0], -1)
+    path = path[:, :width]
+    length = depths.gather(1, leaf[:, None])[:, 0]
+    on_path = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)
+    output = torch.cat([on_path[:, 1:], torch.full_like(on_path[:, :1], -1)], 1)
+    output.scatter_(1, length[:, None], bonus[:, None])
+    return VerifyResult(
+        accepted_leaf=leaf,
+        accepted_len=length,
+        path=path,
+        bonus_token=bonus,
+        output_tokens=output,
+    )
+
+
+def _check_target(tree: DraftTree, target: torch.Tensor, name: str, validate: bool) -> None:
+    R, N = tree.tokens.shape
+    if target.dim() != 3 or tuple(target.shape[:2]) != (R, N) or target.shape[2] < 1:
+        raise ValueError(f"{name} must be [R={R}, N={N}, V], got {list(target.shape)}")
+    if not target.is_floating_point():
+        raise ValueError(f"{name} must be floating, got {target.dtype}")
+    if target.device != tree.tokens.device:
+        raise ValueError(f"{name} is on {target.device}, the tree on {tree.tokens.device}")
+    if validate:
+        tree.validate(vocab_size=target.shape[2])
+
+
+def _check_seeds(tree: DraftTree, seeds: torch.Tensor) -> None:
+    if seeds.shape != (tree.batch_size,) or seeds.dtype != torch.int64:
+        raise ValueError(
+            f"seeds must be int64 [R={tree.batch_size}], got {seeds.dtype} {list(seeds.shape)}"
+        )
+    if seeds.device != tree.tokens.device:
+        raise ValueError(f"seeds is on {seeds.device}, the tree on {tree.tokens.device}")
