@@ -45,7 +45,7 @@ def test_build_is_deterministic_and_cached(tmp_path):
     assert set(manifest_a["files"]) == {
         "target/config.json", "target/generation_config.json", "target/model.safetensors",
         "target/tokenizer.json", "target/tokenizer_config.json",
-        "dflash/config.json", "dflash/model.safetensors",
+        "dflash/config.json", "dflash/model.safetensors", "weaver.pth",
     }
 
     weights = first.target / "model.safetensors"
@@ -82,6 +82,22 @@ def test_files_have_the_expected_configs_and_dtypes(family):
         names = set(weights.keys())
     assert not any("embed_tokens" in name or "lm_head" in name for name in names)
     assert "fc.weight" in names
+
+
+def test_weaver_checkpoint_loads_for_the_target(family):
+    from vllm_tfm.drafting.weaver_checkpoint import load_weaver
+
+    weaver = load_weaver(family.weaver, target_hidden_size=tiny_family.HIDDEN,
+                         target_vocab_size=tiny_family.VOCAB_SIZE)
+    for key, value in tiny_family.WEAVER_CONFIG.items():
+        assert getattr(weaver.config, key) == value, key
+    with safe_open(family.target / "model.safetensors", "pt") as weights:
+        embed = weights.get_tensor("model.embed_tokens.weight").float()
+        lm_head = weights.get_tensor("lm_head.weight").float()
+    weaver.prepare_tables(embed, lm_head)
+    rows = (tiny_family.VOCAB_SIZE, tiny_family.WEAVER_CONFIG["d_rank"])
+    assert weaver.query_table.shape == weaver.token_table.shape == rows
+    assert weaver.query_table.isfinite().all() and weaver.token_table.isfinite().all()
 
 
 def test_tokenizer_loads_offline_with_special_tokens_and_chat_template(family):

@@ -142,6 +142,18 @@ DFLASH_CONFIG = {
     "dtype": "bfloat16",
 }
 
+# Weaver in the public .pth format; layout "rope_swiglu" (the WeaverConfig default).
+WEAVER_CONFIG = {
+    "d_model": HIDDEN,
+    "d_embed": HIDDEN,
+    "d_rank": 128,
+    "num_layers": 1,
+    "num_heads": 4,
+    "mlp_dim": 256,
+    "K": DFLASH_BLOCK_SIZE - 1,
+    "candidate_pool_size": min(512, VOCAB_SIZE),
+}
+
 RESIDUAL_SCALE = 0.5
 LOGIT_STD = 8.0
 LM_HEAD_ROW_NORM_SIGMA = 0.5
@@ -157,12 +169,14 @@ class TinyFamily:
     root:       the output directory.
     target:     HF model directory (config.json, model.safetensors, tokenizer files).
     dflash:     DFlash drafter directory (config.json, model.safetensors) for vLLM's `dflash`.
+    weaver:     Weaver checkpoint, public `.pth` format (`WEAVER_CONFIG`, random weights).
     build_hash: sha256 hex of everything that determines the bytes (see `family_build_hash`).
     """
 
     root: Path
     target: Path
     dflash: Path
+    weaver: Path
     build_hash: str
 
 
@@ -180,7 +194,11 @@ def family_build_hash() -> str:
     """sha256 over this builder's source, the corpus bytes and the library versions that write
     the files; any change rebuilds the cached family."""
     digest = hashlib.sha256()
-    digest.update(Path(__file__).read_bytes())
+    import vllm_tfm.drafting.weaver
+    import vllm_tfm.drafting.weaver_checkpoint
+
+    for module in (sys.modules[__name__], vllm_tfm.drafting.weaver, vllm_tfm.drafting.weaver_checkpoint):
+        digest.update(Path(module.__file__).read_bytes())
     for path in corpus_paths():
         digest.update(path.read_bytes())
     for package in ("torch", "transformers", "tokenizers", "safetensors"):
@@ -320,6 +338,14 @@ def build_dflash(out_dir: Path) -> None:
     _write_json(out_dir / "config.json", DFLASH_CONFIG)
 
 
+def build_weaver(path: Path) -> None:
+    from vllm_tfm.drafting.weaver import WeaverConfig
+    from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public
+
+    weaver = random_weaver(WeaverConfig(**WEAVER_CONFIG), seed=SEED)
+    save_weaver_public(weaver, path, metadata={"target": "tiny_family/target", "drafter": "tiny_family/dflash"})
+
+
 def _write_json(path: Path, obj: object) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -337,7 +363,8 @@ def _file_digests(root: Path) -> dict[str, str]:
 
 
 def _family(root: Path, build_hash: str) -> TinyFamily:
-    return TinyFamily(root=root, target=root / "target", dflash=root / "dflash", build_hash=build_hash)
+    return TinyFamily(root=root, target=root / "target", dflash=root / "dflash", weaver=root / "weaver.pth",
+                      build_hash=build_hash)
 
 
 def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
@@ -374,6 +401,7 @@ def build_family(out_dir: str | os.PathLike = DEFAULT_OUT_DIR, *, force: bool = 
         (staging / "dflash").mkdir()
         build_target(staging / "target")
         build_dflash(staging / "dflash")
+        build_weaver(staging / "weaver.pth")
         _write_json(staging / "manifest.json", {"build_hash": build_hash, "files": _file_digests(staging)})
         if root.exists():
             shutil.rmtree(root)
