@@ -1,0 +1,444 @@
+"""Draft-tree builders: chain, DDTree, Weaver best-first, sampled.
+
+All take the DFlash candidate pools of R requests: ``pool_ids`` [R, D, P]
+int64 (row d = the P candidates for draft position d + 1, i.e. for the
+children of depth-d nodes; distinct ids per row) and, where needed,
+``pool_logits`` [R, D, P] float raw logits of those candidates; plus
+``root_tokens`` [R] int64, the previous step's bonus tokens. Each returns a
+:class:`DraftTree` of N = budget + 1 columns (root + at most ``budget``
+drafted nodes), batched over requests: loops run over depths or expansion
+steps, never over nodes or requests.
+
+Tie-breaking (exactly what the brute-force tests reproduce):
+
+* chain: the first maximal candidate of a row (``torch.argmax``).
+* DDTree / sampled shape: prefixes are ranked by (score descending, depth
+  ascending, position within the depth ascending), where the position
+  within depth d + 1 orders by (score descending, parent's position,
+  candidate rank); candidate ranks order a row by (log q descending, pool
+  index ascending).
+* Weaver: a node's children are its top ``fanout`` candidates by (log q
+  descending, pool index ascending); the frontier pops by (score descending,
+  insertion order ascending), children inserted in pop order then rank.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol
+
+import torch
+
+from vllm_tfm.drafting.tree import DraftTree, counter_gumbel
+
+# counter_uniform stream of the sampled builder's Gumbel noise.
+BUILD_STREAM = 1
+MAX_EXPAND_WIDTH = 32
+
+
+class ExpandSession(Protocol):
+    """One Weaver draft round (``vllm_tfm.drafting.weaver.WeaverRound``)."""
+
+    def expand(
+        self,
+        node_index: torch.Tensor,
+        tokens: torch.Tensor,
+        parent_index: torch.Tensor,
+        depths: torch.Tensor,
+    ) -> torch.Tensor:
+        """Add w nodes per request and score their children's pool row.
+
+        Args are [R, w] int64: the node's tree index (-1 = padding row), its
+        token, its parent's index (-1 for the root) and its depth. Returns
+        [R, w, P] float32 log q over pool row ``depth``; -inf for padding rows
+        and depth-D rows.
+        """
+        ...
+
+
+def default_expand_width(budget: int) -> int:
+    """Nodes expanded per Weaver call: ceil(budget / 16), in [1, 32]."""
+    return max(1, min(-(-budget // 16), MAX_EXPAND_WIDTH))
+
+
+def build_chain(
+    root_tokens: torch.Tensor,
+    pool_ids: torch.Tensor,
+    pool_logits: torch.Tensor,
+    budget: int,
+    validate: bool = True,
+) -> DraftTree:
+    """The DFlash chain: the argmax of each marginal, min(budget, D) nodes."""
+    _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
+    R, D, _ = pool_ids.shape
+    n = min(budget, D)
+    logp = torch.log_softmax(pool_logits[:, :n].float(), dim=-1)
+    best = logp.argmax(-1, keepdim=True)
+    node = torch.arange(n + 1, device=pool_ids.device).expand(R, -1)
+    return DraftTree(
+        tokens=torch.cat([root_tokens[:, None], pool_ids[:, :n].gather(-1, best)[..., 0]], 1),
+        parents=(node - 1).to(torch.int32),
+        depths=node.to(torch.int32),
+        num_nodes=torch.full((R,), n + 1, dtype=torch.int32, device=pool_ids.device),
+        draft_logq=torch.cat([logp.new_zeros(R, 1), logp.gather(-1, best)[..., 0]], 1),
+        max_depth=D,
+    )
+
+
+def build_ddtree(
+    root_tokens: torch.Tensor,
+    pool_ids: torch.Tensor,
+    pool_logits: torch.Tensor,
+    budget: int,
+    validate: bool = True,
+) -> DraftTree:
+    """DDTree: the ``budget`` most likely prefixes under the product of marginals.
+
+    The score of a prefix is the sum of log-softmax(pool logits) of its tokens
+    at their depths. The result is the set a best-first heap over (depth,
+    rank) pops (pop, push next sibling and first child), computed level by
+    level instead: the depth-(d+1) members of the top-``budget`` set are
+    children of depth-d members with a rank below ``budget``, so each depth
+    keeps only its best ``budget`` candidates. Nodes come in best-first order.
+    """
+    _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
+    logp = torch.log_softmax(pool_logits.float(), dim=-1)
+    shape = _best_prefixes(logp, budget)
+    R, D, _ = pool_ids.shape
+    row = (shape.depth - 1).clamp(min=0)
+    drafted = pool_ids[torch.arange(R, device=pool_ids.device)[:, None], row].gather(
+        -1, shape.pool_index[..., None]
+    )[..., 0]
+    return _assemble(
+        root_tokens, shape, torch.where(shape.chosen, drafted, 0), shape.logq, max_depth=D
+    )
+
+
+def build_weaver_tree(
+    root_tokens: torch.Tensor,
+    pool_ids: torch.Tensor,
+    session: ExpandSession,
+    budget: int,
+    fanout: int = 8,
+    expand_width: int | None = None,
+    max_depth: int | None = None,
+    validate: bool = True,
+) -> DraftTree:
+    """Weaver's best-first tree (DESIGN.md section 3).
+
+    The root is expanded and its top ``fanout`` children enter the frontier
+    with score = parent score + log q. Each step pops the top w frontier
+    entries (w = ``expand_width`` or :func:`default_expand_width`), adds them
+    as nodes, expands them in ONE ``session.expand`` call and pushes
+    ``fanout`` children of each; nodes at ``max_depth`` (default D) are
+    never expanded. The pop schedule is fixed by ``budget`` and w, so no step
+    reads the device; a request whose frontier runs dry gets padding rows
+    and ends with fewer nodes. The last pop is not expanded.
+    """
+    _check_inputs(root_tokens, pool_ids, None, budget, validate)
+    R, D, P = pool_ids.shape
+    max_depth = D if max_depth is None else max_depth
+    _check_int("max_depth", max_depth, 0, D)
+    _check_int("fanout", fanout, 1, None)
+    if expand_width is not None:
+        _check_int("expand_width", expand_width, 1, None)
+    width = expand_width or default_expand_width(budget)
+    device = pool_ids.device
+    N = budget + 1
+    batch = torch.arange(R, device=device)[:, None]
+
+    # Column N is a scratch slot that padding rows write to.
+    tokens = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
+    tokens[:, 0] = root_tokens
+    parents = torch.full((R, N + 1), -1, dtype=torch.int64, device=device)
+    depths = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
+    logq = torch.zeros(R, N + 1, dtype=torch.float32, device=device)
+    num = torch.ones(R, dtype=torch.int64, device=device)
+
+    pops = [min(width, budget - start) for start in range(0, budget, width)]
+    if max_depth == 0:
+        pops = []
+    children = min(fanout, P)
+    # Room for every push, and never fewer columns than one pop takes.
+    capacity = max(children * (1 + sum(pops[:-1])), max(pops, default=0))
+    f_score = torch.full((R, capacity), float("-inf"), device=device)
+    f_parent = torch.zeros(R, capacity, dtype=torch.int64, device=device)
+    f_token = torch.zeros_like(f_parent)
+    f_depth = torch.zeros_like(f_parent)
+    f_logq = torch.zeros(R, capacity, device=device)
+    fill = 0
+
+    def expand_and_push(node, token, parent, depth, score):
+        nonlocal fill
+        expandable = (node >= 0) & (depth < max_depth)
+        node = torch.where(expandable, node, -1)
+        rows = session.expand(node, token, torch.where(expandable, parent, -1), depth)
+        if tuple(rows.shape) != (R, node.shape[1], P):
+            raise ValueError(
+                f"session.expand returned shape {list(rows.shape)}, expected {[R, node.shape[1], P]}"
+            )
+        top, pos = torch.sort(rows.float(), dim=-1, descending=True, stable=True)
+        top, pos = top[..., :children], pos[..., :children]
+        candidates = pool_ids[batch, depth.clamp(max=D - 1)].gather(-1, pos)
+        child_score = torch.where(expandable[..., None], score[..., None] + top, float("-inf"))
+        span = slice(fill, fill + node.shape[1] * children)
+        f_score[:, span] = child_score.reshape(R, -1)
+        f_parent[:, span] = node[..., None].expand(-1, -1, children).reshape(R, -1)
+        f_token[:, span] = candidates.reshape(R, -1)
+        f_depth[:, span] = (depth + 1)[..., None].expand(-1, -1, children).reshape(R, -1)
+        f_logq[:, span] = top.reshape(R, -1)
+        fill += node.shape[1] * children
+
+    if pops:
+        zero = torch.zeros(R, 1, dtype=torch.int64, device=device)
+        expand_and_push(zero, root_tokens[:, None], zero - 1, zero, zero.float())
+    for step, k in enumerate(pops):
+        score, pick = torch.sort(f_score, dim=-1, descending=True, stable=True)
+        score, pick = score[:, :k], pick[:, :k]
+        popped = score > float("-inf")  # a prefix of each row: the sort put -inf last
+        f_score.scatter_(1, pick, float("-inf"))
+        node = torch.where(popped, num[:, None] + torch.arange(k, device=device), -1)
+        slot = torch.where(popped, node, N)
+        token, parent = f_token.gather(1, pick), f_parent.gather(1, pick)
+        depth = f_depth.gather(1, pick)
+        tokens[batch, slot] = token
+        parents[batch, slot] = parent
+        depths[batch, slot] = depth
+        logq[batch, slot] = f_logq.gather(1, pick)
+        num += popped.sum(1)
+        if step + 1 < len(pops):
+            expand_and_push(node, token, parent, depth, score)
+
+    return DraftTree(
+        tokens=tokens[:, :N],
+        parents=parents[:, :N].to(torch.int32),
+        depths=depths[:, :N].to(torch.int32),
+        num_nodes=num.to(torch.int32),
+        draft_logq=logq[:, :N],
+        max_depth=max_depth,
+    )
+
+
+def build_sampled_tree(
+    root_tokens: torch.Tensor,
+    pool_ids: torch.Tensor,
+    pool_logits: torch.Tensor,
+    budget: int,
+    seeds: torch.Tensor,
+    session: ExpandSession | None = None,
+    validate: bool = True,
+) -> DraftTree:
+    """A tree whose children are SAMPLED from the drafter: the exact input of traversal.
+
+    Traversal verification is lossless only when every node's children are
+    drawn from the proposal it is given. Here:
+
+    * the shape (which node has how many children) is the DDTree shape of the
+      marginals: a function of the drafter's outputs, never of the drawn
+      tokens. A best-first shape would let one branch's draws decide another
+      branch's size, which breaks the losslessness proof;
+    * the k children of an expanded node u are the first k of a Gumbel-top-k
+      order of q(. | u) over u's pool row: an ordered sample without
+      replacement, in node order. q is Weaver's (``session``, expanded depth
+      by depth, one call per depth) or the marginal (``session`` None);
+    * ``proposal_logq`` keeps q at every expanded node.
+
+    A slot beyond the support of q gets a zero-mass token (draft_logq -inf)
+    that traversal treats as absent. ``seeds``: [R] int64 per-request seeds
+    (see :func:`vllm_tfm.drafting.tree.derive_seeds`).
+    """
+    _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
+    R, D, P = pool_ids.shape
+    if seeds.shape != (R,) or seeds.dtype != torch.int64 or seeds.device != pool_ids.device:
+        raise ValueError(f"seeds must be int64 [R={R}] on {pool_ids.device}, got "
+                         f"{seeds.dtype} {list(seeds.shape)} on {seeds.device}")
+    device = pool_ids.device
+    N = budget + 1
+    batch = torch.arange(R, device=device)[:, None]
+    marginal = torch.log_softmax(pool_logits.float(), dim=-1)
+    shape = _best_prefixes(marginal, budget)
+    tree = _assemble(root_tokens, shape, torch.zeros_like(shape.depth), shape.logq, max_depth=D)
+    depth, parent, valid = tree.depths.long(), tree.parents.long(), tree.valid
+    rank = torch.cat([torch.zeros_like(shape.rank[:, :1]), shape.rank], 1)
+    has_child = torch.zeros(R, N + 1, dtype=torch.bool, device=device)
+    has_child.scatter_(1, torch.where(parent >= 0, parent, N), True)
+    internal = has_child[:, :N] & valid
+    per_depth = (internal[:, None, :] & (depth[:, None, :] == torch.arange(D, device=device)[:, None]))
+    widths = per_depth.sum(-1).amax(0).tolist()  # one host read: call widths per depth
+
+    tokens, logq = tree.tokens.clone(), tree.draft_logq.clone()
+    proposal = torch.full((R, N + 1, P), float("-inf"), device=device)
+    node_ids = torch.arange(N, device=device)
+    for d, w in enumerate(widths):
+        if w == 0:
+            break  # no expanded node at depth d means no node deeper than d
+        here = per_depth[:, d]
+        order = torch.argsort(torch.where(here, node_ids, N + node_ids), dim=1)[:, :w]
+        real = here.gather(1, order)
+        node = torch.where(real, order, -1)
+        if session is None:
+            rows = marginal[:, d, None, :].expand(R, w, P)
+        else:
+            rows = session.expand(
+                node, tokens.gather(1, order), torch.where(real, parent.gather(1, order), -1),
+                torch.full_like(order, d),
+            )
+            if tuple(rows.shape) != (R, w, P):
+                raise ValueError(f"session.expand returned {list(rows.shape)}, expected {[R, w, P]}")
+        rows = rows.float().masked_fill(~real[..., None], float("-inf"))
+        proposal[batch, torch.where(real, order, N)] = rows
+        counters = order[..., None] * P + torch.arange(P, device=device)
+        keys = rows.double() + counter_gumbel(seeds, BUILD_STREAM, counters)
+        drawn = torch.argsort(keys, dim=-1, descending=True, stable=True)  # [R, w, P]
+        slot_of = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
+        slot_of.scatter_(1, torch.where(real, order, N), torch.arange(w, device=device).expand(R, w))
+        child = valid & (depth == d + 1)
+        parent_slot = slot_of.gather(1, parent.clamp(min=0))
+        pos = drawn[batch, parent_slot, rank.clamp(max=P - 1)]
+        tokens = torch.where(child, pool_ids[:, d].gather(1, pos), tokens)
+        logq = torch.where(child, rows[batch, parent_slot, pos], logq)
+
+    return DraftTree(
+        tokens=tokens,
+        parents=tree.parents,
+        depths=tree.depths,
+        num_nodes=tree.num_nodes,
+        draft_logq=logq,
+        max_depth=D,
+        pool_ids=pool_ids,
+        proposal_logq=proposal[:, :N].contiguous(),
+    )
+
+
+class _Prefixes(NamedTuple):
+    """The top-``budget`` prefixes in best-first order, [R, budget] each."""
+
+    chosen: torch.Tensor  # bool, real entry (fewer than budget prefixes may exist)
+    depth: torch.Tensor  # int64 >= 1
+    parent: torch.Tensor  # int64 node index (0 = root, i + 1 = entry i)
+    rank: torch.Tensor  # int64 rank of the token in its sorted pool row
+    pool_index: torch.Tensor  # int64 position of the token in the unsorted pool row
+    logq: torch.Tensor  # float32 log-prob of the token at its depth
+
+
+def _best_prefixes(logp: torch.Tensor, budget: int) -> _Prefixes:
+    """Top-``budget`` prefixes of [R, D, P] per-depth log-probs, level by level."""
+    R, D, P = logp.shape
+    device = logp.device
+    sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
+    ranks = min(budget, P)
+    scores, parents, token_ranks, levels = [], [], [], []
+    prev = torch.zeros(R, 1, device=device)
+    offset = 0
+    for d in range(D):
+        cand = (prev[:, :, None] + sorted_logp[:, d, None, :ranks]).reshape(R, -1)
+        score, idx = torch.sort(cand, dim=-1, descending=True, stable=True)
+        keep = min(budget, cand.shape[1])
+        score, idx = score[:, :keep], idx[:, :keep]
+        parent_pos = idx // ranks
+        # Flat index of the parent among all levels; -1 = the root.
+        parents.append(parent_pos + offset - prev.shape[1] if d > 0 else torch.full_like(idx, -1))
+        scores.append(score)
+        token_ranks.append(idx % ranks)
+        levels.append(torch.full((keep,), d, dtype=torch.int64, device=device))
+        offset += keep
+        prev = score
+    score, pick = torch.sort(torch.cat(scores, 1), dim=-1, descending=True, stable=True)
+    width = min(budget, score.shape[1])
+    score, pick = score[:, :width], pick[:, :width]
+    chosen = score > float("-inf")
+    total = offset
+    node_of = torch.full((R, total + 1), -1, dtype=torch.int64, device=device)
+    node_of.scatter_(
+        1, torch.where(chosen, pick, total), torch.arange(1, width + 1, device=device).expand(R, -1)
+    )
+    level = torch.cat(levels)[pick]
+    parent_flat = torch.cat(parents, 1).gather(1, pick)
+    parent = torch.where(parent_flat >= 0, node_of.gather(1, parent_flat.clamp(min=0)), 0)
+    rank = torch.cat(token_ranks, 1).gather(1, pick)
+    batch = torch.arange(R, device=device)[:, None]
+    pad = budget - width
+
+    def padded(t: torch.Tensor, fill) -> torch.Tensor:
+        t = torch.where(chosen, t, fill)
+        return torch.nn.functional.pad(t, (0, pad), value=fill)
+
+    return _Prefixes(
+        chosen=torch.nn.functional.pad(chosen, (0, pad), value=False),
+        depth=padded(level + 1, 0),
+        parent=padded(parent, -1),
+        rank=padded(rank, 0),
+        pool_index=padded(order[batch, level, rank], 0),
+        logq=padded(sorted_logp[batch, level, rank], 0.0),
+    )
+
+
+def _assemble(
+    root_tokens: torch.Tensor,
+    shape: _Prefixes,
+    drafted: torch.Tensor,
+    logq: torch.Tensor,
+    max_depth: int,
+) -> DraftTree:
+    R = root_tokens.shape[0]
+    zero = torch.zeros(R, 1, dtype=torch.int64, device=root_tokens.device)
+    return DraftTree(
+        tokens=torch.cat([root_tokens[:, None], drafted], 1),
+        parents=torch.cat([zero - 1, shape.parent], 1).to(torch.int32),
+        depths=torch.cat([zero, shape.depth], 1).to(torch.int32),
+        num_nodes=(1 + shape.chosen.sum(1)).to(torch.int32),
+        draft_logq=torch.cat([zero.float(), logq], 1),
+        max_depth=max_depth,
+    )
+
+
+def _check_int(name: str, value, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (
+        high is not None and value > high
+    ):
+        allowed = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an int {allowed}, got {value!r}")
+
+
+def _check_inputs(
+    root_tokens: torch.Tensor,
+    pool_ids: torch.Tensor,
+    pool_logits: torch.Tensor | None,
+    budget: int,
+    validate: bool,
+) -> None:
+    if pool_ids.dim() != 3 or pool_ids.dtype != torch.int64 or min(pool_ids.shape[1:]) < 1:
+        raise ValueError(
+            f"pool_ids must be int64 [R, D, P] with D, P >= 1, got {pool_ids.dtype} "
+            f"{list(pool_ids.shape)}"
+        )
+    R = pool_ids.shape[0]
+    if root_tokens.shape != (R,) or root_tokens.dtype != torch.int64:
+        raise ValueError(
+            f"root_tokens must be int64 [R={R}], got {root_tokens.dtype} {list(root_tokens.shape)}"
+        )
+    if root_tokens.device != pool_ids.device:
+        raise ValueError(f"root_tokens is on {root_tokens.device}, pool_ids on {pool_ids.device}")
+    if pool_logits is not None:
+        if pool_logits.shape != pool_ids.shape or not pool_logits.is_floating_point():
+            raise ValueError(
+                f"pool_logits must be floating with pool_ids' shape {list(pool_ids.shape)}, "
+                f"got {pool_logits.dtype} {list(pool_logits.shape)}"
+            )
+        if pool_logits.device != pool_ids.device:
+            raise ValueError(f"pool_logits is on {pool_logits.device}, pool_ids on {pool_ids.device}")
+    _check_int("budget", budget, 0, None)
+    if not validate:
+        return
+    if bool((root_tokens < 0).any()):
+        raise ValueError(f"root_tokens must be >= 0, got {root_tokens.tolist()}")
+    if bool((pool_ids < 0).any()):
+        raise ValueError("pool_ids must be >= 0")
+    ordered = torch.sort(pool_ids, dim=-1).values
+    if bool((ordered[..., 1:] == ordered[..., :-1]).any()):
+        r, d = (ordered[..., 1:] == ordered[..., :-1]).any(-1).nonzero()[0].tolist()
+        raise ValueError(f"pool_ids[{r}, {d}] holds a token twice: pool rows must be distinct ids")
+    if pool_logits is not None:
+        if bool((torch.isnan(pool_logits) | (pool_logits == float("inf"))).any()):
+            raise ValueError("pool_logits must not hold NaN or +inf")
+        if bool((pool_logits == float("-inf")).all(-1).any()):
+            raise ValueError("pool_logits: every row needs a finite logit")
