@@ -2,6 +2,7 @@
 
     python tools/bench_tree_ops.py            # correctness check, then the timing tables
     python tools/bench_tree_ops.py --no-check # timings only
+    python tools/bench_tree_ops.py --sweep    # also sweep the kernels' tile sizes
 
 Correctness: the Triton kernels against the float64 references (small shapes) and
 against the vectorised PyTorch paths (model shapes), in bf16/fp16/fp32 and in
@@ -31,6 +32,7 @@ from triton_ops.tree_attention import (  # noqa: E402
 )
 from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention  # noqa: E402
 from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit  # noqa: E402
+from triton_ops.tree_conv.conv import launch_tree_conv1d  # noqa: E402
 from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
 
 DEV = "cuda"
@@ -136,6 +138,22 @@ def bench_conv(bandwidth: float) -> None:
                   f"{median_us(commit):7.1f} {graph_us(commit):7.1f}")
 
 
+def sweep_conv_tiles(C: int = 10240) -> None:
+    print(f"\nconv tile sweep, C={C}, W=4, bf16 (us, graph replay): block_n x block_c / warps")
+    configs = [(16, 256, 4), (32, 256, 4), (64, 256, 8), (8, 512, 4), (16, 512, 4), (32, 512, 8),
+               (16, 1024, 8), (64, 128, 4)]
+    print(f"{'B':>3} {'N':>4} | " + " ".join(f"{f'{n}x{c}/{w}':>10}" for n, c, w in configs))
+    for B, N in ((1, 64), (8, 64), (32, 128)):
+        meta = random_meta(B, N, [N] * B)
+        x, weight, bias, state, slots = conv_inputs(B, N, C, 4, torch.bfloat16)
+        out = torch.empty_like(x)
+        times = []
+        for block_n, block_c, warps in configs:
+            times.append(graph_us(lambda: launch_tree_conv1d(  # noqa: B023
+                x, weight, bias, state, slots, meta, "silu", out, block_n, block_c, warps)))
+        print(f"{B:>3} {N:>4} | " + " ".join(f"{t:10.1f}" for t in times))
+
+
 # ----------------------------------------------------------------------- attention
 def paged_cache(lengths, Hkv, D, block_size, dtype, layout, num_layers=1):
     """Caches in an engine layout with random K/V at each request's [0, length)."""
@@ -219,7 +237,7 @@ def sdpa_inputs(q, keys, values, table, prefixes, meta, N):
     return q.transpose(1, 2), k, v, mask.unsqueeze(1)
 
 
-def bench_attention(bandwidth: float, flops: float) -> None:
+def bench_attention(bandwidth: float, flops: float, with_sdpa: bool) -> None:
     print("\n(b) tree attention, 24 q / 4 kv heads, D=256, bf16, block 16, HND cache (us)")
     print("    bytes floor = K/V read once / copy bandwidth; flops floor = 4*B*Hq*N*L*D / bf16 matmul rate")
     print(f"{'B':>2} {'N':>4} {'prefix':>6} | {'ours':>7} {'graph':>7} {'sdpa':>8} {'bytes':>6} "
@@ -236,13 +254,12 @@ def bench_attention(bandwidth: float, flops: float) -> None:
                 run = lambda: tree_attention(q, keys[0], values[0], table, prefix, meta,  # noqa: E731
                                              1 / 16, out=out)
                 ours, ours_graph = median_us(run), graph_us(run)
-                sq, sk, sv, mask = sdpa_inputs(q, keys[0], values[0], table, prefixes, meta, N)
-                try:
+                sdpa = math.nan
+                if with_sdpa:
+                    sq, sk, sv, mask = sdpa_inputs(q, keys[0], values[0], table, prefixes, meta, N)
                     sdpa = median_us(lambda: torch.nn.functional.scaled_dot_product_attention(
                         sq, sk, sv, attn_mask=mask, scale=1 / 16))
-                except torch.OutOfMemoryError:
-                    sdpa = math.nan
-                del sq, sk, sv, mask
+                    del sq, sk, sv, mask
                 L = prefix_len + N
                 bytes_floor = B * L * 4 * 256 * 2 * 2 / bandwidth * 1e6
                 flops_floor = 4 * B * 24 * N * L * 256 / flops * 1e6
@@ -252,31 +269,34 @@ def bench_attention(bandwidth: float, flops: float) -> None:
             del keys, values
 
 
-def sweep_attention_configs() -> None:
-    print("\ntile sweep at B=1, N=64, prefix 32768 (us); default:", end=" ")
-    N, B = 64, 1
-    meta = random_meta(B, N, [N])
-    keys, values, table = paged_cache([32768 + N], 4, 256, 16, torch.bfloat16, "hnd")
-    q = torch.randn(B, N, 24, 256, device=DEV, dtype=torch.bfloat16)
-    prefix = torch.tensor([32768], dtype=torch.int32, device=DEV)
+def sweep_attention_configs(prefix_len: int = 32768, N: int = 64) -> None:
+    print(f"\ntile sweep at B=1, N={N}, prefix {prefix_len} (us); default:", end=" ")
+    meta = random_meta(1, N, [N])
+    keys, values, table = paged_cache([prefix_len + N], 4, 256, 16, torch.bfloat16, "hnd")
+    q = torch.randn(1, N, 24, 256, device=DEV, dtype=torch.bfloat16)
+    prefix = torch.tensor([prefix_len], dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     default = kernel_config(q, 4)
     print(default)
     ref = tree_attention(q, keys[0], values[0], table, prefix, meta, 1 / 16)
-    candidates = [(64, 64, 4, 2, 1), (64, 32, 4, 3, 1), (64, 64, 8, 2, 1), (128, 64, 8, 2, 1),
-                  (128, 32, 8, 3, 1), (64, 64, 4, 2, 2), (128, 64, 8, 2, 2)]
-    for block_m, block_n, warps, stages, split_factor in candidates:
-        splits = max(1, default.num_splits * split_factor * 64 // block_m)
-        config = KernelConfig(block_m, block_n, warps, stages, 4 * block_n, splits)
-        run = lambda: launch_tree_attention(q, keys[0], values[0], table, prefix, meta,  # noqa: E731
-                                            1 / 16, None, None, out, config)
-        name = f"m{block_m} n{block_n} w{warps} s{stages} splits{splits}"
-        try:
-            run()
-            err = rel_err(out, ref)
-            print(f"  {name}: {median_us(run):7.1f} us (rel diff to default {err:.1e})")
-        except Exception as exc:  # a config may not fit in shared memory
-            print(f"  {name}: {type(exc).__name__}: {str(exc)[:80]}")
+    candidates = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 32, 4, 4), (64, 16, 4, 3), (64, 16, 4, 4),
+                  (64, 64, 4, 3), (64, 32, 8, 3), (128, 32, 8, 2), (128, 16, 8, 3)]
+    for index, (block_m, block_n, warps, stages) in enumerate(candidates):
+        for split_factor in (1, 2) if index == 0 else (1,):
+            splits = max(1, default.num_splits * split_factor * 64 // block_m)
+            config = KernelConfig(block_m, block_n, warps, stages, 4 * block_n, splits)
+            run = lambda: launch_tree_attention(q, keys[0], values[0], table, prefix, meta,  # noqa: E731
+                                                1 / 16, None, None, out, config)
+            name = f"m{block_m} n{block_n} w{warps} s{stages} splits{splits}"
+            try:
+                kernel = run()
+                err = rel_err(out, ref)
+                cp_async = kernel.asm["ptx"].count("cp.async")
+                print(f"  {name}: {graph_us(run):7.1f} us graph "
+                      f"(regs {kernel.n_regs}, spills {kernel.n_spills}, cp.async {cp_async}, "
+                      f"rel diff to default {err:.1e})")
+            except Exception as exc:  # a config may not fit in shared memory
+                print(f"  {name}: {type(exc).__name__}: {str(exc)[:60]}")
 
 
 def bench_kv_commit(bandwidth: float) -> None:
@@ -300,6 +320,8 @@ def bench_kv_commit(bandwidth: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
+    parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
+    parser.add_argument("--sweep", action="store_true", help="also sweep conv and attention tiles")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tree_ops needs a CUDA GPU")
@@ -311,10 +333,12 @@ def main() -> None:
         check_conv()
         check_attention()
         print(f"correctness: {'all ok' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
+    if args.sweep:
+        sweep_conv_tiles()
+        sweep_attention_configs()
     bench_conv(bandwidth)
-    bench_attention(bandwidth, flops)
-    sweep_attention_configs()
     bench_kv_commit(bandwidth)
+    bench_attention(bandwidth, flops, with_sdpa=not args.no_sdpa)
     if FAILURES:
         raise SystemExit(1)
 

@@ -220,20 +220,26 @@ def tree_conv1d(
         out.copy_(torch.where(meta.valid.unsqueeze(-1), y, 0.0))
         return out
 
-    BLOCK_N = min(16, triton.next_power_of_2(N))
-    BLOCK_C = min(256, triton.next_power_of_2(C))
-    grid = (triton.cdiv(C, BLOCK_C), triton.cdiv(N, BLOCK_N), B)
+    launch_tree_conv1d(x, weight, bias, conv_state, state_slots, meta, activation, out,
+                       block_n=min(16, triton.next_power_of_2(N)),
+                       block_c=min(256, triton.next_power_of_2(C)), num_warps=4)
+    return out
+
+
+def launch_tree_conv1d(x, weight, bias, conv_state, state_slots, meta, activation, out,
+                       block_n: int, block_c: int, num_warps: int) -> None:
+    """The Triton launch with explicit tiles (the benchmark sweeps them)."""
+    B, N, C = x.shape
     sources = meta.conv_sources
-    _tree_conv1d_kernel[grid](
+    _tree_conv1d_kernel[(triton.cdiv(C, block_c), triton.cdiv(N, block_n), B)](
         x, weight, bias if bias is not None else weight, conv_state, state_slots, sources,
         meta.num_nodes, out,
         N, C,
         *x.stride(), *weight.stride(), *conv_state.stride(), *sources.stride(), *out.stride(),
-        W=W, HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=BLOCK_N, BLOCK_C=BLOCK_C,
-        num_warps=4,
+        W=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_N=block_n, BLOCK_C=block_c,
+        num_warps=num_warps,
     )
-    return out
 
 
 def tree_conv1d_commit(
