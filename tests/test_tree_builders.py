@@ -21,6 +21,8 @@ from vllm_tfm.drafting.builders import (
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import verify_traversal
+from vllm_tfm.drafting.weaver import WeaverConfig
+from vllm_tfm.drafting.weaver_checkpoint import random_weaver
 
 NEG_INF = float("-inf")
 
@@ -257,6 +259,51 @@ def test_weaver_tree_matches_brute_force(case, ties, holes):
         assert tree_rows(tree, r) == want
     if case[0] == 10 and D == 2:
         assert (tree.num_nodes <= 1 + 2 + 4).all() and (tree.num_nodes < budget + 1).all()
+
+
+@pytest.mark.parametrize("budget,fanout", [(6, 8), (25, 4)])
+def test_builders_drive_a_real_weaver_round(budget, fanout):
+    """The real WeaverRound accepts the builders' calls (its own contract checks
+    run) and the tree's log q are the round's: replaying each node's path
+    through a fresh round gives the same values."""
+    cfg = WeaverConfig(d_model=32, d_embed=24, d_rank=16, num_layers=1, num_heads=2, mlp_dim=20,
+                       K=5, candidate_pool_size=8, layout="learned_pos", extra={})
+    weaver = random_weaver(cfg, seed=3)
+    gen = torch.Generator().manual_seed(budget)
+    V, R, D, P = 60, 2, 5, 8
+    weaver.prepare_tables(torch.randn(V, 24, generator=gen), torch.randn(V, 32, generator=gen) / 4)
+    roots, ids, logits = make_pools(gen, R, D, P, V)
+    h_v, hidden = torch.randn(R, 32, generator=gen), torch.randn(R, D, 32, generator=gen)
+
+    def fresh_round():
+        return weaver.start_round(h_v, hidden, ids, logits * 3, max_nodes=budget + 1)
+
+    tree = build_weaver_tree(roots, ids, fresh_round(), budget, fanout=fanout)
+    check_invariants(tree, budget, D)
+    sampled = build_sampled_tree(roots, ids, logits, budget, torch.tensor([5, 6]), session=fresh_round())
+    check_invariants(sampled, budget, D)
+    for t in (tree, sampled):
+        # Expand every node again, one depth per call, in a fresh round.
+        replay = fresh_round()
+        rows = {}
+        for d in range(int(t.depths.max()) + 1):
+            here = (t.depths == d) & t.valid
+            width = int(here.sum(1).max())
+            order = torch.argsort((~here).int(), dim=1, stable=True)[:, :width]
+            real = here.gather(1, order)
+            node = torch.where(real, order, -1)
+            out = replay.expand(node, t.tokens.gather(1, order),
+                                torch.where(real, t.parents.long().gather(1, order), -1),
+                                torch.full_like(order, d))
+            for r in range(R):
+                for j in range(width):
+                    if real[r, j]:
+                        rows[(r, int(order[r, j]))] = out[r, j]
+        for r in range(R):
+            for i in range(1, int(t.num_nodes[r])):
+                p = int(t.parents[r, i])
+                pos = int((ids[r, int(t.depths[r, p])] == t.tokens[r, i]).nonzero()[0, 0])
+                assert torch.allclose(t.draft_logq[r, i], rows[(r, p)][pos], rtol=0, atol=1e-5)
 
 
 def test_default_expand_width():

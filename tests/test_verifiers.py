@@ -159,6 +159,22 @@ def replicate(tree: DraftTree, rows: int) -> DraftTree:
     return tree.select(torch.zeros(rows, dtype=torch.int64))
 
 
+def concat_trees(trees: list[DraftTree]) -> DraftTree:
+    """Requests of equal N stacked into one batch."""
+    return DraftTree(**{
+        f.name: (torch.cat([getattr(t, f.name) for t in trees])
+                 if isinstance(getattr(trees[0], f.name), torch.Tensor) else getattr(trees[0], f.name))
+        for f in fields(DraftTree)
+    })
+
+
+def plan_row(plan: TraversalPlan, row: int) -> TraversalPlan:
+    """One request of a batched plan, so plans are computed for many trees at once."""
+    index = torch.tensor([row])
+    return TraversalPlan(**{f.name: getattr(plan, f.name).index_select(0, index)
+                            for f in fields(TraversalPlan)})
+
+
 def midpoint(weights: torch.Tensor, index: int) -> float:
     cdf = weights.cumsum(0)
     lo = 0.0 if index == 0 else float(cdf[index - 1])
@@ -326,9 +342,13 @@ def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind)
     tree = make_tree(SHAPES[shape], vocab, gen, logq_kind)
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     probs = target_probs(tree, law)
+    orders = list(sibling_orders(tree))
+    keys = torch.cat([k for k, _ in orders])
+    # All visiting orders in one batched plan.
+    plans = traversal_plan(replicate(tree, len(orders)), probs.expand(len(orders), -1, -1), keys)
     outcomes = {}
-    for keys, order_weight in sibling_orders(tree):
-        plan = traversal_plan(tree, probs, keys)
+    for row, (_, order_weight) in enumerate(orders):
+        plan = plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
@@ -442,12 +462,15 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool):
         return torch.log(q / q.sum()).float()
 
     root = int(torch.randint(0, vocab, (1,), generator=gen))
+    realised = list(sampled_trees(parents, pool_ids, draft, root))
+    batch = concat_trees([t for t, _ in realised])
+    batch.validate(vocab_size=vocab)
+    all_probs = torch.cat([target_probs(t, law) for t, _ in realised])
+    plans = traversal_plan(batch, all_probs)  # every realisation in one batched plan
     outcomes, total = {}, 0.0
-    for tree, tree_weight in sampled_trees(parents, pool_ids, draft, root):
+    for row, (tree, tree_weight) in enumerate(realised):
         total += tree_weight
-        tree.validate(vocab_size=vocab)
-        probs = target_probs(tree, law)
-        plan = traversal_plan(tree, probs)
+        probs, plan = all_probs[row : row + 1], plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
@@ -553,11 +576,7 @@ def test_greedy_is_the_argmax_walk(shape, seed):
     gen = torch.Generator().manual_seed(seed * 31 + len(shape))
     vocab, R = 4, 6
     trees = [make_tree(SHAPES[shape], vocab, gen) for _ in range(R)]
-    tree = DraftTree(**{
-        f.name: (torch.cat([getattr(t, f.name) for t in trees])
-                 if isinstance(getattr(trees[0], f.name), torch.Tensor) else getattr(trees[0], f.name))
-        for f in fields(DraftTree)
-    })
+    tree = concat_trees(trees)
     # Half the rows follow the tree as far as it goes: plant the child's token as argmax.
     target = torch.randn(R, tree.max_nodes, vocab, generator=gen)
     for r in range(0, R, 2):

@@ -175,8 +175,8 @@ def traversal_plan(
 ) -> TraversalPlan:
     """Traversal verification's exact outcome law on a realised tree.
 
-    The algorithm (Weng et al., Algorithm 1) tests leaves in post-order,
-    deepest first. A node x reached with weight alpha under a parent whose
+    The algorithm (Weng et al., Algorithm 1) repeatedly tests the first leaf
+    of a post-order depth-first walk (children in visiting order). A node x reached with weight alpha under a parent whose
     state is (alpha_u, p_u, q_u) has alpha_x = min(1, alpha_u p_u(x) / q_u(x));
     the path to a tested leaf is accepted with probability alpha_leaf, the
     bonus then drawn from p at the leaf. When a node x is rejected and
@@ -236,8 +236,11 @@ def traversal_plan(
         pool = tree.pool_ids
         support = pool[batch[..., 0], tree.depths.long().clamp(max=pool.shape[1] - 1)]
         proposal = _softmax_or_zero(tree.proposal_logq.double())
-        match = child_token[..., None] == support[:, :, None, :]
-        child_pos = torch.where(match.any(-1), match.long().argmax(-1), -1)
+        # Each node's slot in the pool row it was drawn from (its parent's support).
+        drawn_from = support.gather(1, tree.parents.long().clamp(min=0)[..., None].expand_as(support))
+        match = drawn_from == tree.tokens[..., None]
+        slot = torch.where(match.any(-1), match.long().argmax(-1), -1)
+        child_pos = torch.where(present, slot[batch, children.clamp(min=0)], -1)
     else:
         support = child_token
         logq = torch.where(present, tree.draft_logq[batch, children.clamp(min=0)], float("-inf"))
