@@ -102,7 +102,9 @@ def brute_ddtree(root, ids, logp, budget):
     lp = [[np.float32(logp[d, order[d][k]]) for k in range(P)] for d in range(D)]
     levels, prev = [], [np.float32(0.0)]
     for d in range(D):
-        cand = [(np.float32(s + lp[d][k]), ppos, k) for ppos, s in enumerate(prev) for k in range(P)]
+        cand = [
+            (np.float32(s + lp[d][k]), ppos, k) for ppos, s in enumerate(prev) for k in range(P)
+        ]
         cand.sort(key=lambda e: (-e[0], e[1], e[2]))
         levels.append(cand)
         prev = [e[0] for e in cand]
@@ -173,7 +175,8 @@ class FakeSession:
                 assert n not in self.token[r], "node index reused"
                 p, d, tok = int(parent_index[r, j]), int(depths[r, j]), int(tokens[r, j])
                 if p >= 0:
-                    assert p in self.token[r] and self.token[r][p][1] < call, "parent not expanded before"
+                    assert p in self.token[r], "unknown parent"
+                    assert self.token[r][p][1] < call, "parent not expanded by an earlier call"
                     assert d == self.depth[r][p] + 1
                     parent_token = self.token[r][p][0]
                 else:
@@ -280,7 +283,8 @@ def test_builders_drive_a_real_weaver_round(budget, fanout):
 
     tree = build_weaver_tree(roots, ids, fresh_round(), budget, fanout=fanout)
     check_invariants(tree, budget, D)
-    sampled = build_sampled_tree(roots, ids, logits, budget, torch.tensor([5, 6]), session=fresh_round())
+    seeds = torch.tensor([5, 6])
+    sampled = build_sampled_tree(roots, ids, logits, budget, seeds, session=fresh_round())
     check_invariants(sampled, budget, D)
     for t in (tree, sampled):
         # Expand every node again, one depth per call, in a fresh round.
@@ -307,7 +311,8 @@ def test_builders_drive_a_real_weaver_round(budget, fanout):
 
 
 def test_default_expand_width():
-    assert [default_expand_width(b) for b in (0, 1, 16, 17, 64, 128, 1000)] == [1, 1, 1, 2, 4, 8, 32]
+    widths = [default_expand_width(b) for b in (0, 1, 16, 17, 64, 128, 1000)]
+    assert widths == [1, 1, 1, 2, 4, 8, 32]
 
 
 # -- sampled trees ----------------------------------------------------------------------
@@ -381,7 +386,8 @@ def test_sampled_tree_beyond_the_support_gets_zero_mass_children():
 
     ids = torch.tensor([[[5, 6, 7, 8]]])
     logits = torch.tensor([[[0.0, 0.0, 0.0, NEG_INF]]])
-    tree = build_sampled_tree(torch.tensor([1]), ids, logits, 3, torch.tensor([0]), session=Narrow())
+    tree = build_sampled_tree(torch.tensor([1]), ids, logits, 3, torch.tensor([0]),
+                              session=Narrow())
     assert tree.tokens[0].tolist() == [1, 5, 6, 7]
     assert tree.draft_logq[0, 1] == 0 and (tree.draft_logq[0, 2:] == NEG_INF).all()
 
@@ -468,23 +474,26 @@ def test_bad_inputs_name_the_field():
     roots, ids, logits = make_pools(gen, 2, 3, 4, 20)
     session = FakeSession(ids, logits, 20, gen, ties=False)
     seeds = torch.tensor([1, 2])
+    nan_logits = logits.masked_fill(logits > 0, float("nan"))
+    dead_row = logits.index_fill(2, torch.arange(4), NEG_INF)
+    twice = ids.index_fill(2, torch.tensor([1]), int(ids[0, 0, 0]))
+    bad_session = type("S", (), {"expand": lambda self, n, t, p, d: torch.zeros(2, 1, 3)})()
     cases = [
         ("pool_ids", lambda: build_ddtree(roots, ids.int(), logits, 4)),
         ("pool_ids", lambda: build_chain(roots, ids[0], logits, 4)),
         ("root_tokens", lambda: build_ddtree(roots[:1], ids, logits, 4)),
         ("root_tokens", lambda: build_chain(roots.int(), ids, logits, 4)),
         ("pool_logits", lambda: build_ddtree(roots, ids, logits[:, :2], 4)),
-        ("pool_logits", lambda: build_ddtree(roots, ids, logits.masked_fill(logits > 0, float("nan")), 4)),
-        ("pool_logits", lambda: build_chain(roots, ids, logits.index_fill(2, torch.arange(4), NEG_INF), 4)),
-        ("pool_ids", lambda: build_ddtree(roots, ids.index_fill(2, torch.tensor([1]), int(ids[0, 0, 0])), logits, 4)),
+        ("pool_logits", lambda: build_ddtree(roots, ids, nan_logits, 4)),
+        ("pool_logits", lambda: build_chain(roots, ids, dead_row, 4)),
+        ("pool_ids", lambda: build_ddtree(roots, twice, logits, 4)),
         ("budget", lambda: build_ddtree(roots, ids, logits, -1)),
         ("budget", lambda: build_chain(roots, ids, logits, 2.5)),
         ("fanout", lambda: build_weaver_tree(roots, ids, session, 4, fanout=0)),
         ("max_depth", lambda: build_weaver_tree(roots, ids, session, 4, max_depth=4)),
         ("expand_width", lambda: build_weaver_tree(roots, ids, session, 4, expand_width=0)),
         ("seeds", lambda: build_sampled_tree(roots, ids, logits, 4, seeds.int())),
-        ("session.expand", lambda: build_weaver_tree(
-            roots, ids, type("S", (), {"expand": lambda self, n, t, p, d: torch.zeros(2, 1, 3)})(), 4)),
+        ("session.expand", lambda: build_weaver_tree(roots, ids, bad_session, 4)),
     ]
     for field, call in cases:
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):

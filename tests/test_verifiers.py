@@ -162,8 +162,11 @@ def replicate(tree: DraftTree, rows: int) -> DraftTree:
 def concat_trees(trees: list[DraftTree]) -> DraftTree:
     """Requests of equal N stacked into one batch."""
     return DraftTree(**{
-        f.name: (torch.cat([getattr(t, f.name) for t in trees])
-                 if isinstance(getattr(trees[0], f.name), torch.Tensor) else getattr(trees[0], f.name))
+        f.name: (
+            torch.cat([getattr(t, f.name) for t in trees])
+            if isinstance(getattr(trees[0], f.name), torch.Tensor)
+            else getattr(trees[0], f.name)
+        )
         for f in fields(DraftTree)
     })
 
@@ -565,7 +568,8 @@ def test_counter_uniform_is_uniform_and_independent():
     bins = torch.histc(u[0].float(), bins=10, min=0, max=1) / n
     assert (bins - 0.1).abs().max() < 5 * math.sqrt(0.1 * 0.9 / n)
     assert abs(float(torch.corrcoef(u)[0, 1])) < 5 / math.sqrt(n)
-    assert not torch.equal(counter_uniform(torch.tensor([5]), 4, torch.arange(10)[None]), u[:1, :10])
+    other_stream = counter_uniform(torch.tensor([5]), 4, torch.arange(10)[None])
+    assert not torch.equal(other_stream, u[:1, :10])
 
 
 # -- greedy -------------------------------------------------------------------------
@@ -581,7 +585,8 @@ def test_greedy_is_the_argmax_walk(shape, seed):
     target = torch.randn(R, tree.max_nodes, vocab, generator=gen)
     for r in range(0, R, 2):
         for i in range(1, tree.max_nodes):
-            target[r, int(tree.parents[r, i]), int(tree.tokens[r, i])] += 10 * (i == 1 or i % 2 == 1)
+            boost = 10.0 * (i == 1 or i % 2 == 1)
+            target[r, int(tree.parents[r, i]), int(tree.tokens[r, i])] += boost
     result = verify_greedy(tree, target)
     for r in range(R):
         node = 0

@@ -173,8 +173,9 @@ def build_weaver_tree(
         node = torch.where(expandable, node, -1)
         rows = session.expand(node, token, torch.where(expandable, parent, -1), depth)
         if tuple(rows.shape) != (R, node.shape[1], P):
+            expected = [R, node.shape[1], P]
             raise ValueError(
-                f"session.expand returned shape {list(rows.shape)}, expected {[R, node.shape[1], P]}"
+                f"session.expand returned shape {list(rows.shape)}, expected {expected}"
             )
         top, pos = torch.sort(rows.float(), dim=-1, descending=True, stable=True)
         top, pos = top[..., :children], pos[..., :children]
@@ -262,7 +263,8 @@ def build_sampled_tree(
     has_child = torch.zeros(R, N + 1, dtype=torch.bool, device=device)
     has_child.scatter_(1, torch.where(parent >= 0, parent, N), True)
     internal = has_child[:, :N] & valid
-    per_depth = (internal[:, None, :] & (depth[:, None, :] == torch.arange(D, device=device)[:, None]))
+    levels = torch.arange(D, device=device)[:, None]
+    per_depth = internal[:, None, :] & (depth[:, None, :] == levels)  # [R, D, N]
     widths = per_depth.sum(-1).amax(0).tolist()  # one host read: call widths per depth
 
     tokens, logq = tree.tokens.clone(), tree.draft_logq.clone()
@@ -283,14 +285,17 @@ def build_sampled_tree(
                 torch.full_like(order, d),
             )
             if tuple(rows.shape) != (R, w, P):
-                raise ValueError(f"session.expand returned {list(rows.shape)}, expected {[R, w, P]}")
+                raise ValueError(
+                    f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
+                )
         rows = rows.float().masked_fill(~real[..., None], float("-inf"))
         proposal[batch, torch.where(real, order, N)] = rows
         counters = order[..., None] * P + torch.arange(P, device=device)
         keys = rows.double() + counter_gumbel(seeds, BUILD_STREAM, counters)
         drawn = torch.argsort(keys, dim=-1, descending=True, stable=True)  # [R, w, P]
         slot_of = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
-        slot_of.scatter_(1, torch.where(real, order, N), torch.arange(w, device=device).expand(R, w))
+        slots = torch.arange(w, device=device).expand(R, w)
+        slot_of.scatter_(1, torch.where(real, order, N), slots)
         child = valid & (depth == d + 1)
         parent_slot = slot_of.gather(1, parent.clamp(min=0))
         pos = drawn[batch, parent_slot, rank.clamp(max=P - 1)]
@@ -425,7 +430,9 @@ def _check_inputs(
                 f"got {pool_logits.dtype} {list(pool_logits.shape)}"
             )
         if pool_logits.device != pool_ids.device:
-            raise ValueError(f"pool_logits is on {pool_logits.device}, pool_ids on {pool_ids.device}")
+            raise ValueError(
+                f"pool_logits is on {pool_logits.device}, pool_ids on {pool_ids.device}"
+            )
     _check_int("budget", budget, 0, None)
     if not validate:
         return

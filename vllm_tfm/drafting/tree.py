@@ -230,14 +230,17 @@ def _check_layout(tree: DraftTree) -> None:
             )
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}, tokens on {device}")
-    if isinstance(tree.max_depth, bool) or not isinstance(tree.max_depth, int) or tree.max_depth < 0:
+    depth = tree.max_depth
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
         raise ValueError(f"max_depth must be an int >= 0, got {tree.max_depth!r}")
     if (tree.pool_ids is None) != (tree.proposal_logq is None):
         raise ValueError("pool_ids and proposal_logq must be given together (sampled trees)")
     if tree.pool_ids is not None:
         pool = tree.pool_ids
         if pool.dim() != 3 or pool.shape[0] != R or pool.dtype != torch.int64:
-            raise ValueError(f"pool_ids must be int64 [R={R}, D, P], got {pool.dtype} {list(pool.shape)}")
+            raise ValueError(
+                f"pool_ids must be int64 [R={R}, D, P], got {pool.dtype} {list(pool.shape)}"
+            )
         if pool.shape[1] < tree.max_depth:
             raise ValueError(f"pool_ids holds {pool.shape[1]} rows, max_depth is {tree.max_depth}")
         shape = (R, N, pool.shape[2])

@@ -136,7 +136,8 @@ def verify_target_only(
     """Target-only verification (lossless for any tree). ``probs``: [R, N, V]."""
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
-    return target_only_walk(tree, probs, counter_uniform(seeds, TARGET_ONLY_STREAM, _node_ids(tree)))
+    uniforms = counter_uniform(seeds, TARGET_ONLY_STREAM, _node_ids(tree))
+    return target_only_walk(tree, probs, uniforms)
 
 
 def target_only_walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> VerifyResult:
@@ -176,8 +177,9 @@ def traversal_plan(
     """Traversal verification's exact outcome law on a realised tree.
 
     The algorithm (Weng et al., Algorithm 1) repeatedly tests the first leaf
-    of a post-order depth-first walk (children in visiting order). A node x reached with weight alpha under a parent whose
-    state is (alpha_u, p_u, q_u) has alpha_x = min(1, alpha_u p_u(x) / q_u(x));
+    of a post-order depth-first walk (children in visiting order). A node x
+    under a parent in state (alpha_u, p_u, q_u) is tested with weight
+    alpha_x = min(1, alpha_u p_u(x) / q_u(x));
     the path to a tested leaf is accepted with probability alpha_leaf, the
     bonus then drawn from p at the leaf. When a node x is rejected and
     deleted, its parent's state becomes
@@ -223,9 +225,13 @@ def traversal_plan(
     present = children >= 0
     if sibling_keys is not None:
         if tree.sampled:
-            raise ValueError("sibling_keys must be None for sampled trees (children are in sample order)")
+            raise ValueError(
+                "sibling_keys must be None for sampled trees (children are in sample order)"
+            )
         if sibling_keys.shape != (R, N):
-            raise ValueError(f"sibling_keys must have shape [{R}, {N}], got {list(sibling_keys.shape)}")
+            raise ValueError(
+                f"sibling_keys must have shape [{R}, {N}], got {list(sibling_keys.shape)}"
+            )
         keys = torch.where(present, sibling_keys[batch, children.clamp(min=0)], float("-inf"))
         # Stable: padding (at the end, key -inf) stays behind every real child.
         children = children.gather(-1, torch.sort(keys, dim=-1, descending=True, stable=True)[1])
@@ -237,7 +243,8 @@ def traversal_plan(
         support = pool[batch[..., 0], tree.depths.long().clamp(max=pool.shape[1] - 1)]
         proposal = _softmax_or_zero(tree.proposal_logq.double())
         # Each node's slot in the pool row it was drawn from (its parent's support).
-        drawn_from = support.gather(1, tree.parents.long().clamp(min=0)[..., None].expand_as(support))
+        parent = tree.parents.long().clamp(min=0)[..., None].expand_as(support)
+        drawn_from = support.gather(1, parent)
         match = drawn_from == tree.tokens[..., None]
         slot = torch.where(match.any(-1), match.long().argmax(-1), -1)
         child_pos = torch.where(present, slot[batch, children.clamp(min=0)], -1)
@@ -265,7 +272,9 @@ def traversal_plan(
 
     accept = last_alpha
     for _ in range(levels):
-        accept, before, after_all, child_accept = _subtree_accept(accept, last_alpha, children, present)
+        accept, before, after_all, child_accept = _subtree_accept(
+            accept, last_alpha, children, present
+        )
     stop = after_all * last_alpha
     choice = torch.cat([before * child_accept, stop[..., None]], -1)
     choice = choice / torch.where(accept > 0, accept, 1.0)[..., None]
@@ -334,7 +343,8 @@ def _visit_children(alpha, target, outside, proposal, child_pos):
         # A zero-mass child cannot have been drawn: it is not part of the draft.
         real = (pos >= 0) & (q_x > 0)
         p_x = residual.gather(-1, at)[..., 0]
-        child_alpha[..., j] = torch.where(real, (a * p_x / torch.where(real, q_x, 1.0)).clamp(max=1), 0.0)
+        ratio = a * p_x / torch.where(real, q_x, 1.0)
+        child_alpha[..., j] = torch.where(real, ratio.clamp(max=1), 0.0)
         excess = (a[..., None] * residual - q).clamp(min=0)
         z = excess.sum(-1) + a * scale * outside
         alive = real & (z > 0)
@@ -395,7 +405,8 @@ def _descend(tree: DraftTree, pick) -> VerifyResult:
     children, _ = tree.children()
     K = children.shape[2]
     batch = torch.arange(R, device=device)
-    child_token = torch.where(children >= 0, tree.tokens[batch[:, None, None], children.clamp(min=0)], -1)
+    child_token = tree.tokens[batch[:, None, None], children.clamp(min=0)]
+    child_token = torch.where(children >= 0, child_token, -1)
     node = torch.zeros(R, dtype=torch.int64, device=device)
     bonus = torch.zeros(R, dtype=torch.int64, device=device)
     done = torch.zeros(R, dtype=torch.bool, device=device)
