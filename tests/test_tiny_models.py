@@ -25,6 +25,11 @@ def family():
 
 
 @pytest.fixture(scope="module")
+def hf_run(family):
+    return tiny_family.transformers_greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
 def base_run(family):
     return tiny_family.greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
 
@@ -41,7 +46,8 @@ def test_build_is_deterministic_and_cached(tmp_path):
     manifest_b = json.loads((second.root / "manifest.json").read_text())
     assert manifest_a == manifest_b
     for relative in manifest_a["files"]:
-        assert (first.root / relative).read_bytes() == (second.root / relative).read_bytes(), relative
+        first_bytes = (first.root / relative).read_bytes()
+        assert first_bytes == (second.root / relative).read_bytes(), relative
     assert set(manifest_a["files"]) == {
         "target/config.json", "target/generation_config.json", "target/model.safetensors",
         "target/tokenizer.json", "target/tokenizer_config.json",
@@ -57,15 +63,15 @@ def test_build_is_deterministic_and_cached(tmp_path):
     (first.dflash / "config.json").write_text("{}")
     assert tiny_family.load_family(first.root) is None
     rebuilt = tiny_family.build_family(first.root)
-    assert (rebuilt.dflash / "config.json").read_bytes() == (second.dflash / "config.json").read_bytes()
+    config_bytes = (second.dflash / "config.json").read_bytes()
+    assert (rebuilt.dflash / "config.json").read_bytes() == config_bytes
 
 
 def test_files_have_the_expected_configs_and_dtypes(family):
     target_config = json.loads((family.target / "config.json").read_text())
     assert target_config["model_type"] == "qwen3_next"
     assert target_config["architectures"] == ["Qwen3NextForCausalLM"]
-    assert target_config["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + \
-        ["linear_attention"] * 3 + ["full_attention"]
+    assert target_config["layer_types"] == (["linear_attention"] * 3 + ["full_attention"]) * 2
     assert target_config["linear_key_head_dim"] in (64, 128)
     assert target_config["head_dim"] >= 32
     draft_config = json.loads((family.dflash / "config.json").read_text())
@@ -87,8 +93,11 @@ def test_files_have_the_expected_configs_and_dtypes(family):
 def test_weaver_checkpoint_loads_for_the_target(family):
     from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 
-    weaver = load_weaver(family.weaver, target_hidden_size=tiny_family.HIDDEN,
-                         target_vocab_size=tiny_family.VOCAB_SIZE)
+    weaver = load_weaver(
+        family.weaver,
+        target_hidden_size=tiny_family.HIDDEN,
+        target_vocab_size=tiny_family.VOCAB_SIZE,
+    )
     for key, value in tiny_family.WEAVER_CONFIG.items():
         assert getattr(weaver.config, key) == value, key
     with safe_open(family.target / "model.safetensors", "pt") as weights:
@@ -98,6 +107,18 @@ def test_weaver_checkpoint_loads_for_the_target(family):
     rows = (tiny_family.VOCAB_SIZE, tiny_family.WEAVER_CONFIG["d_rank"])
     assert weaver.query_table.shape == weaver.token_table.shape == rows
     assert weaver.query_table.isfinite().all() and weaver.token_table.isfinite().all()
+
+
+def test_transformers_reloads_target_and_generates(hf_run):
+    assert hf_run["missing"] == [] and hf_run["unexpected"] == []
+    assert len(hf_run["tokens"]) == len(tiny_family.PROMPTS)
+    for tokens, margins in zip(hf_run["tokens"], hf_run["margins"], strict=True):
+        assert len(tokens) == len(margins) == MAX_TOKENS
+        assert all(0 <= token < tiny_family.VOCAB_SIZE for token in tokens)
+        assert all(margin >= 0 for margin in margins)  # NaN fails here too
+    # Peaky next-token distributions: the typical top-2 margin is several nats.
+    margins = sorted(m for row in hf_run["margins"] for m in row)
+    assert margins[len(margins) // 2] > 2.0
 
 
 def test_tokenizer_loads_offline_with_special_tokens_and_chat_template(family):
@@ -113,8 +134,9 @@ def test_tokenizer_loads_offline_with_special_tokens_and_chat_template(family):
     # Python source the tokenizer was not trained on still compresses (over 2 bytes per token).
     unseen = (Path(tiny_family.corpus_paths()[0]).parent / "heapq.py").read_text()[:4000]
     assert len(tokenizer(unseen)["input_ids"]) < 0.5 * len(unseen.encode())
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
-                                         tokenize=False)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -133,34 +155,27 @@ def test_vllm_greedy_target(base_run):
 
 @pytest.mark.engine
 def test_vllm_dflash_greedy_equals_target(base_run, dflash_run):
-    print(f"engine start (target + dflash): {dflash_run['start_s']:.1f} s; drafts {dflash_run['num_drafts']}, "
-          f"accepted tokens {dflash_run['num_accepted']}")
+    print(
+        f"engine start (target + dflash): {dflash_run['start_s']:.1f} s; "
+        f"drafts {dflash_run['num_drafts']}, accepted tokens {dflash_run['num_accepted']}"
+    )
     assert dflash_run["num_drafts"] > 0, "the dflash proposer never ran"
     rows = tiny_family.compare_greedy(base_run, dflash_run)
     for i, row in enumerate(rows):
         print(f"prompt {i}: {row}")
     mismatches = [row for row in rows if row.get("tie") is False]
-    assert not mismatches, f"greedy outputs differ where the top-2 margin is >= {tiny_family.TIE_MARGIN}: {rows}"
+    assert not mismatches, (
+        f"greedy outputs differ where the top-2 margin is >= {tiny_family.TIE_MARGIN}: {rows}"
+    )
     compared = sum(row["matched"] for row in rows)
     assert compared >= 0.5 * MAX_TOKENS * len(rows), f"bf16 ties cut the comparison short: {rows}"
 
 
 @pytest.mark.engine
-def test_transformers_reload_agrees_with_vllm(family, base_run):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(family.target, local_files_only=True)
-    prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in tiny_family.PROMPTS]
-    sequences = [ids + tokens for ids, tokens in zip(prompt_ids, base_run["tokens"], strict=True)]
-    reference = tiny_family.transformers_forward_in_subprocess(family.target, sequences)
-    assert reference["missing"] == [] and reference["unexpected"] == []
-    agree = total = 0
-    for ids, tokens, margins, argmax in zip(prompt_ids, base_run["tokens"], base_run["margins"],
-                                            reference["argmax"], strict=True):
-        predicted = argmax[len(ids) - 1:len(ids) - 1 + len(tokens)]
-        for token, margin, expected in zip(tokens, margins, predicted, strict=True):
-            total += 1
-            agree += token == expected
-            assert token == expected or margin < tiny_family.TIE_MARGIN, (token, expected, margin)
-    print(f"transformers fp32 vs vLLM bf16 greedy agreement: {agree}/{total}")
-    assert agree >= 0.9 * total
+def test_vllm_greedy_equals_transformers_fp32(hf_run, base_run):
+    rows = tiny_family.compare_greedy(hf_run, base_run)
+    for i, row in enumerate(rows):
+        print(f"prompt {i}: {row}")
+    assert not [row for row in rows if row.get("tie") is False], rows
+    compared = sum(row["matched"] for row in rows)
+    assert compared >= 0.5 * MAX_TOKENS * len(rows), f"bf16 ties cut the comparison short: {rows}"

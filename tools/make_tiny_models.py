@@ -1,11 +1,14 @@
-"""Build the tiny model family (target, DFlash drafter, tokenizer) and check it in vLLM.
+"""Build the tiny model family (tokenizer, target, DFlash drafter, Weaver) and check it in vLLM.
 
     python tools/make_tiny_models.py build [--out DIR] [--force]
     python tools/make_tiny_models.py check [--out DIR]      # build, then both engines
     python tools/make_tiny_models.py generate --target DIR [--dflash DIR] --json-out FILE
+    python tools/make_tiny_models.py hf-generate --target DIR --json-out FILE
 
 `check` runs greedy generation with the target alone and with vLLM's `dflash` method (one
-engine per subprocess) and prints, per prompt, how many greedy tokens agree.
+engine per subprocess) and prints, per prompt, how many greedy tokens agree. `generate`
+(vLLM) and `hf-generate` (transformers, fp32) are the one-process steps that `check` and
+tests/test_tiny_models.py start.
 """
 
 from __future__ import annotations
@@ -30,60 +33,67 @@ def _build(args: argparse.Namespace) -> tiny_family.TinyFamily:
     for name in ("target", "dflash"):
         path = getattr(family, name)
         print(f"{name:8s} {path}  {_dir_size(path) / 2**20:.2f} MiB")
+    print(f"weaver   {family.weaver}  {family.weaver.stat().st_size / 2**20:.2f} MiB")
     return family
 
 
 def _check(args: argparse.Namespace) -> int:
     family = _build(args)
-    base = tiny_family.greedy_in_subprocess(family.target, max_tokens=args.max_tokens)
-    spec = tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=args.max_tokens)
+    tokens = args.max_tokens
+    base = tiny_family.greedy_in_subprocess(family.target, max_tokens=tokens)
+    spec = tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=tokens)
     print(f"engine start: target {base['start_s']:.1f} s, target+dflash {spec['start_s']:.1f} s")
     print(f"chat reply: {base['chat_text']!r}")
     print(f"dflash drafts {spec['num_drafts']}, accepted tokens {spec['num_accepted']}")
     print("prompt  matched/length  first-difference margin")
     rows = tiny_family.compare_greedy(base, spec)
     for i, row in enumerate(rows):
-        margin = "-" if "margin" not in row else f"{row['margin']:.3f} ({'tie' if row['tie'] else 'MISMATCH'})"
+        margin = "-"
+        if "margin" in row:
+            margin = f"{row['margin']:.3f} ({'tie' if row['tie'] else 'MISMATCH'})"
         print(f"{i:6d}  {row['matched']:7d}/{row['length']:<6d}  {margin}")
     return 1 if any(row.get("tie") is False for row in rows) else 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    result = tiny_family.engine_greedy(args.target, args.dflash, tuple(args.prompts), args.max_tokens)
-    args.json_out.write_text(json.dumps(result), encoding="utf-8")
+def _write(path: Path, result: dict) -> int:
+    path.write_text(json.dumps(result), encoding="utf-8")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("build", "check"):
         p = sub.add_parser(name)
         p.add_argument("--out", type=Path, default=tiny_family.DEFAULT_OUT_DIR)
-        p.add_argument("--force", action="store_true", help="rebuild even if a matching build exists")
+        p.add_argument("--force", action="store_true", help="rebuild even if a build matches")
         if name == "check":
             p.add_argument("--max-tokens", type=int, default=32)
-    p = sub.add_parser("generate", help="one greedy engine run (used by `check` and the tests)")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--dflash", type=Path)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS), help="JSON list of strings")
-    p.add_argument("--json-out", type=Path, required=True)
-    p = sub.add_parser("hf-forward", help="teacher-forced transformers forward (used by the tests)")
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--sequences", type=json.loads, required=True, help="JSON list of token-id lists")
-    p.add_argument("--json-out", type=Path, required=True)
+    for name, help_text in (("generate", "greedy run in vLLM"),
+                            ("hf-generate", "greedy run in transformers, fp32")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--target", type=Path, required=True)
+        if name == "generate":
+            p.add_argument("--dflash", type=Path)
+        p.add_argument("--max-tokens", type=int, default=32)
+        p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS),
+                       help="JSON list of strings")
+        p.add_argument("--json-out", type=Path, required=True)
     args = parser.parse_args(argv)
+
     if args.command == "build":
         _build(args)
         return 0
     if args.command == "check":
         return _check(args)
-    if args.command == "hf-forward":
-        result = tiny_family.transformers_forward(args.target, args.sequences)
-        args.json_out.write_text(json.dumps(result), encoding="utf-8")
-        return 0
-    return _generate(args)
+    prompts = tuple(args.prompts)
+    if args.command == "generate":
+        result = tiny_family.engine_greedy(args.target, args.dflash, prompts, args.max_tokens)
+    else:
+        result = tiny_family.transformers_greedy(args.target, prompts, args.max_tokens)
+    return _write(args.json_out, result)
 
 
 if __name__ == "__main__":

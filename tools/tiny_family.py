@@ -1,29 +1,37 @@
-"""The tiny model family: a deterministic, offline-built target, DFlash drafter and tokenizer.
+"""The tiny model family: tokenizer, Qwen3-Next hybrid target, DFlash drafter and Weaver.
 
 Everything is derived from fixed seeds and a fixed slice of Python's standard-library sources,
-so two builds on the same software stack give the same bytes. `build_family(out_dir)` writes
+fully offline, so two builds on the same software stack give the same bytes.
+`build_family(out_dir)` writes
 
     out_dir/
-      manifest.json        build hash + sha256 of every file (the cache key)
-      target/              Qwen3NextForCausalLM (qwen3_next), bf16 safetensors + tokenizer
-      dflash/              DFlashDraftModel (qwen3 layers, no embedding / LM head of its own)
+      manifest.json   build hash + sha256 of every file (the cache key)
+      target/         Qwen3NextForCausalLM (qwen3_next): bf16 safetensors, config, tokenizer
+      dflash/         DFlashDraftModel (qwen3 layers; embedding and LM head are the target's)
+      weaver.pth      Weaver, public .pth format, random weights
 
 and reuses an existing directory whose manifest matches the current build hash and whose
 files are intact, so tests and the demo can call it for free after the first build.
 
-Design choices (see the report in the issue for the measurements behind them):
+Design choices:
 - Target: 8 layers, `full_attention_interval` 4 (GDN x3, attention, GDN x3, attention),
   hidden 256. vLLM 0.32's `Qwen3NextForCausalLM.set_moe_parameters` raises when no layer is
   MoE, so the last layer is a one-expert MoE (top-1 of 1: routing weight exactly 1, no
-  routing ties) with a shared expert; all other layers are dense (`mlp_only_layers`).
-- GDN on vLLM's CPU path needs bf16 and linear head dim 64 or 128; attention head dim >= 32:
-  both use 64.
-- Weights: every tensor is drawn here from named seeds (not from transformers' init, which
-  may change between releases). Unit-variance embeddings, 1/sqrt(fan_in) projections,
-  residual-branch outputs scaled by `RESIDUAL_SCALE` so every layer visibly moves the stream,
-  GDN decays exp(-A * softplus(.)) with A in [0.05, 1] so the recurrent state carries
-  context over many tokens, and an LM head giving logits of std `LOGIT_STD` (peaky
-  next-token distributions, wide top-2 margins in absolute logprob terms).
+  routing ties) with a shared expert; the other seven are dense (`mlp_only_layers`).
+- vLLM's CPU GDN needs bf16 and linear head dim 64 or 128, its attention head dim >= 32:
+  both are 64.
+- Weights are drawn here from per-tensor named seeds, not by transformers' init (which may
+  change between releases): unit-variance embeddings, 1/sqrt(fan_in) projections,
+  residual-branch outputs scaled by `RESIDUAL_SCALE` (the 8 layers together move the stream
+  as much as the embedding: the greedy token differs from the one-token-context prediction
+  at ~78% of positions), GDN decays exp(-A softplus(.)) with A in [0.05, 1] so the state
+  carries context over many tokens.
+- Greedy ties: what decides whether bf16 rounding flips a greedy token is the top-2 margin
+  RELATIVE to the logit scale (rounding noise scales with the logits, so scaling the LM head
+  changes nothing). Log-normal LM-head row norms (`LM_HEAD_ROW_NORM_SIGMA`) make some tokens
+  far likelier than others, as in real text: that halved the bf16-vs-fp32 flip rate
+  (3.7% -> 1.4% of positions); logits of std `LOGIT_STD` give peaky distributions (mean
+  top-1 probability ~0.9). Compare greedy runs with `compare_greedy` and `TIE_MARGIN`.
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
-# Standard-library modules the tokenizer is trained on (about 1.3 MB on Python 3.11).
+# Standard-library modules the tokenizer is trained on (0.9 MB on Python 3.11).
 CORPUS_FILES = (
     "argparse.py",
     "ast.py",
@@ -91,7 +99,11 @@ TARGET_CONFIG = {
     "num_key_value_heads": 2,
     "head_dim": 64,
     "partial_rotary_factor": 0.25,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "partial_rotary_factor": 0.25,
+    },
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
     "linear_key_head_dim": 64,
@@ -192,13 +204,14 @@ def corpus_paths() -> list[Path]:
 
 def family_build_hash() -> str:
     """sha256 over this builder's source, the corpus bytes and the library versions that write
-    the files; any change rebuilds the cached family."""
-    digest = hashlib.sha256()
+    the files (the Weaver's modules included); any change rebuilds the cached family."""
     import vllm_tfm.drafting.weaver
     import vllm_tfm.drafting.weaver_checkpoint
 
-    for module in (sys.modules[__name__], vllm_tfm.drafting.weaver, vllm_tfm.drafting.weaver_checkpoint):
-        digest.update(Path(module.__file__).read_bytes())
+    digest = hashlib.sha256()
+    weaver_modules = (vllm_tfm.drafting.weaver, vllm_tfm.drafting.weaver_checkpoint)
+    for source in (__file__, *(module.__file__ for module in weaver_modules)):
+        digest.update(Path(source).read_bytes())
     for path in corpus_paths():
         digest.update(path.read_bytes())
     for package in ("torch", "transformers", "tokenizers", "safetensors"):
@@ -223,7 +236,9 @@ def build_tokenizer(out_dir: Path) -> None:
     texts = [path.read_text(encoding="utf-8") for path in corpus_paths()]
     tokenizer.train_from_iterator(texts, trainer)
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
-        raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}")
+        raise RuntimeError(
+            f"BPE training gave {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}"
+        )
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -254,10 +269,9 @@ def _uniform(name: str, shape: tuple[int, ...], low: float, high: float) -> torc
 def _init_value(name: str, shape: tuple[int, ...], *, zero_centered_norms: bool) -> torch.Tensor:
     """The value of parameter `name` (HF naming). Norm weights: Qwen3-Next's RMSNorm scales
     by (1 + w), so its neutral weight is 0; its GDN gated norm and Qwen3's RMSNorm scale by w."""
-    if name.endswith("linear_attn.norm.weight") or (name.endswith("norm.weight") and not zero_centered_norms):
-        return torch.ones(shape)
     if name.endswith("norm.weight"):
-        return torch.zeros(shape)
+        gated = name.endswith("linear_attn.norm.weight")
+        return torch.zeros(shape) if zero_centered_norms and not gated else torch.ones(shape)
     if name.endswith("embed_tokens.weight"):
         return _normal(name, shape, 1.0)
     if name.endswith("lm_head.weight"):
@@ -285,7 +299,8 @@ def build_target(out_dir: Path) -> None:
     """The Qwen3-Next target: weights drawn by `_init_value`, saved by transformers in bf16."""
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    config = Qwen3NextConfig(**{k: v for k, v in TARGET_CONFIG.items() if k not in ("architectures", "model_type")})
+    kwargs = {k: v for k, v in TARGET_CONFIG.items() if k not in ("architectures", "model_type")}
+    config = Qwen3NextConfig(**kwargs)
     model = Qwen3NextForCausalLM(config)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -331,6 +346,7 @@ def dflash_state_dict() -> dict[str, torch.Tensor]:
 
 
 def build_dflash(out_dir: Path) -> None:
+    """The drafter: `dflash_state_dict` in bf16 safetensors + `DFLASH_CONFIG`."""
     from safetensors.torch import save_file
 
     state = {name: tensor.to(torch.bfloat16) for name, tensor in dflash_state_dict().items()}
@@ -339,11 +355,13 @@ def build_dflash(out_dir: Path) -> None:
 
 
 def build_weaver(path: Path) -> None:
+    """`random_weaver(WEAVER_CONFIG, SEED)` written as a public .pth (fp32)."""
     from vllm_tfm.drafting.weaver import WeaverConfig
     from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public
 
     weaver = random_weaver(WeaverConfig(**WEAVER_CONFIG), seed=SEED)
-    save_weaver_public(weaver, path, metadata={"target": "tiny_family/target", "drafter": "tiny_family/dflash"})
+    metadata = {"target": "tiny_family/target", "drafter": "tiny_family/dflash"}
+    save_weaver_public(weaver, path, metadata=metadata)
 
 
 def _write_json(path: Path, obj: object) -> None:
@@ -363,8 +381,13 @@ def _file_digests(root: Path) -> dict[str, str]:
 
 
 def _family(root: Path, build_hash: str) -> TinyFamily:
-    return TinyFamily(root=root, target=root / "target", dflash=root / "dflash", weaver=root / "weaver.pth",
-                      build_hash=build_hash)
+    return TinyFamily(
+        root=root,
+        target=root / "target",
+        dflash=root / "dflash",
+        weaver=root / "weaver.pth",
+        build_hash=build_hash,
+    )
 
 
 def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
@@ -374,14 +397,19 @@ def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
     manifest_path = root / "manifest.json"
     if not manifest_path.is_file():
         return None
-    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return None
     build_hash = family_build_hash()
     if manifest.get("build_hash") != build_hash or manifest.get("files") != _file_digests(root):
         return None
     return _family(root, build_hash)
 
 
-def build_family(out_dir: str | os.PathLike = DEFAULT_OUT_DIR, *, force: bool = False) -> TinyFamily:
+def build_family(
+    out_dir: str | os.PathLike = DEFAULT_OUT_DIR, *, force: bool = False
+) -> TinyFamily:
     """Build the family into `out_dir` (or reuse a matching one unless `force`).
 
     The build happens in a sibling temporary directory that replaces `out_dir` at the end,
@@ -402,13 +430,15 @@ def build_family(out_dir: str | os.PathLike = DEFAULT_OUT_DIR, *, force: bool = 
         build_target(staging / "target")
         build_dflash(staging / "dflash")
         build_weaver(staging / "weaver.pth")
-        _write_json(staging / "manifest.json", {"build_hash": build_hash, "files": _file_digests(staging)})
+        manifest = {"build_hash": build_hash, "files": _file_digests(staging)}
+        _write_json(staging / "manifest.json", manifest)
         if root.exists():
-            shutil.rmtree(root)
+            root.rename(staging.with_name(staging.name + ".old"))
         staging.rename(root)
     finally:
-        if staging.exists():
-            shutil.rmtree(staging)
+        for leftover in (staging, staging.with_name(staging.name + ".old")):
+            if leftover.exists():
+                shutil.rmtree(leftover)
     return _family(root, build_hash)
 
 
@@ -432,7 +462,7 @@ PROMPTS = (
 # 1.25 (99th percentile), 1.75 (max of 237); bf16 vs fp32 transformers: 1.24 max of 1024.
 TIE_MARGIN = 1.5
 ENGINE_ENV = {
-    # One process: starts in ~15 s instead of ~35 s.
+    # Engine core in this process: starts in ~3-14 s (warm-cold) instead of ~35 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     # Stock vLLM only: this proves the family runs without the project's plugin.
     "VLLM_PLUGINS": "",
@@ -500,10 +530,30 @@ def engine_greedy(
         )
         result["chat_text"] = chat[0].outputs[0].text
     else:
-        counters = {metric.name: metric.value for metric in llm.get_metrics() if hasattr(metric, "value")}
+        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
         result["num_drafts"] = counters.get("vllm:spec_decode_num_drafts", 0)
         result["num_accepted"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     return result
+
+
+def _run_tool(arguments: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
+    """Run `make_tiny_models.py <arguments> --json-out FILE` and return FILE's JSON."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out_json = Path(tmp) / "result.json"
+        tool = Path(__file__).with_name("make_tiny_models.py")
+        command = [sys.executable, str(tool), *arguments, "--json-out", str(out_json)]
+        proc = subprocess.run(
+            command,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}"
+            )
+        return json.loads(out_json.read_text(encoding="utf-8"))
 
 
 def greedy_in_subprocess(
@@ -526,7 +576,8 @@ def compare_greedy(base: dict, spec: dict, tie_margin: float = TIE_MARGIN) -> li
     difference `margin` (the base run's top-2 logprob margin there) and `tie`
     (margin < tie_margin: a bf16 tie, not a losslessness failure)."""
     rows = []
-    for base_tokens, spec_tokens, margins in zip(base["tokens"], spec["tokens"], base["margins"], strict=True):
+    runs = zip(base["tokens"], spec["tokens"], base["margins"], strict=True)
+    for base_tokens, spec_tokens, margins in runs:
         length = min(len(base_tokens), len(spec_tokens))
         matched = next((i for i in range(length) if base_tokens[i] != spec_tokens[i]), length)
         row = {"matched": matched, "length": max(len(base_tokens), len(spec_tokens))}
@@ -537,45 +588,59 @@ def compare_greedy(base: dict, spec: dict, tie_margin: float = TIE_MARGIN) -> li
     return rows
 
 
-def transformers_forward(target: str | os.PathLike, sequences: list[list[int]]) -> dict:
-    """Teacher-forced fp32 transformers forward of each token sequence: `argmax[i][t]` and
-    `margins[i][t]` (top-1 minus top-2 logprob) predict token t+1 of sequence i;
-    `missing`/`unexpected` list checkpoint keys transformers did not match.
+def transformers_greedy(
+    target: str | os.PathLike, prompts: tuple[str, ...] = PROMPTS, max_tokens: int = 32
+) -> dict:
+    """Greedy generation with transformers in fp32 (its PyTorch GDN path), the reference
+    for vLLM's bf16 runs. Same `tokens` / `margins` layout as `engine_greedy`, plus
+    `missing` / `unexpected`: checkpoint keys transformers did not match.
 
     Must run in a process that has not imported transformers: it hides fla first, because
     transformers uses fla's Triton GDN kernels whenever fla imports, and those fail on CPU.
     """
-    if "transformers" in sys.modules and sys.modules.get("fla", False) is not None:
-        raise RuntimeError("transformers_forward needs a fresh process (transformers already imported with fla)")
+    fla_hidden = "fla" in sys.modules and sys.modules["fla"] is None
+    if "transformers" in sys.modules and not fla_hidden:
+        raise RuntimeError(
+            "transformers_greedy needs a process that has not imported transformers"
+        )
     sys.modules["fla"] = None
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model, info = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32, output_loading_info=True)
-    result: dict = {"argmax": [], "margins": [], "missing": sorted(info["missing_keys"]),
-                    "unexpected": sorted(info["unexpected_keys"])}
-    with torch.no_grad():
-        for sequence in sequences:
-            logprobs = model(torch.tensor([sequence])).logits[0].float().log_softmax(-1)
-            top = logprobs.topk(2, dim=-1)
-            result["argmax"].append(top.indices[:, 0].tolist())
-            result["margins"].append((top.values[:, 0] - top.values[:, 1]).tolist())
+    tokenizer = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(target), dtype=torch.float32, output_loading_info=True
+    )
+    # Like vLLM's ignore_eos: run to max_tokens, EOS stays a normal candidate token.
+    model.generation_config.eos_token_id = None
+    result: dict = {
+        "tokens": [],
+        "margins": [],
+        "missing": sorted(info["missing_keys"]),
+        "unexpected": sorted(info["unexpected_keys"]),
+    }
+    for prompt in prompts:
+        input_ids = torch.tensor([tokenizer(prompt)["input_ids"]])
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        top = torch.cat(out.logits).float().log_softmax(-1).topk(2, dim=-1).values
+        result["tokens"].append(out.sequences[0, input_ids.shape[1]:].tolist())
+        result["margins"].append((top[:, 0] - top[:, 1]).tolist())
     return result
 
 
-def _run_tool(arguments: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
-    """Run `make_tiny_models.py <arguments> --json-out FILE` and return FILE's JSON."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out_json = Path(tmp) / "result.json"
-        command = [sys.executable, str(Path(__file__).with_name("make_tiny_models.py")), *arguments,
-                   "--json-out", str(out_json)]
-        proc = subprocess.run(command, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                              timeout=timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-        return json.loads(out_json.read_text(encoding="utf-8"))
-
-
-def transformers_forward_in_subprocess(target: str | os.PathLike, sequences: list[list[int]],
-                                       timeout_s: float = 300.0) -> dict:
-    """`transformers_forward` in a fresh Python process."""
-    return _run_tool(["hf-forward", "--target", str(target), "--sequences", json.dumps(sequences)], timeout_s)
+def transformers_greedy_in_subprocess(
+    target: str | os.PathLike,
+    prompts: tuple[str, ...] = PROMPTS,
+    max_tokens: int = 32,
+    timeout_s: float = 300.0,
+) -> dict:
+    """`transformers_greedy` in a fresh Python process."""
+    arguments = ["hf-generate", "--target", str(target), "--max-tokens", str(max_tokens),
+                 "--prompts", json.dumps(list(prompts))]
+    return _run_tool(arguments, timeout_s)
