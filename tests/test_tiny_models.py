@@ -36,7 +36,8 @@ def base_run(family):
 
 @pytest.fixture(scope="module")
 def dflash_run(family):
-    return tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=MAX_TOKENS)
+    dflash = tiny_family.dflash_speculative_config(family.dflash)
+    return tiny_family.greedy_in_subprocess(family.target, dflash, max_tokens=MAX_TOKENS)
 
 
 def test_build_is_deterministic_and_cached(tmp_path):

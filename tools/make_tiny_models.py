@@ -2,7 +2,8 @@
 
     python tools/make_tiny_models.py build [--out DIR] [--force]
     python tools/make_tiny_models.py check [--out DIR]      # build, then both engines
-    python tools/make_tiny_models.py generate --target DIR [--dflash DIR] --json-out FILE
+    python tools/make_tiny_models.py generate --target DIR [--speculative-config JSON] \
+        --json-out FILE
     python tools/make_tiny_models.py hf-generate --target DIR --json-out FILE
 
 `check` runs greedy generation with the target alone and with vLLM's `dflash` method (one
@@ -41,7 +42,8 @@ def _check(args: argparse.Namespace) -> int:
     family = _build(args)
     tokens = args.max_tokens
     base = tiny_family.greedy_in_subprocess(family.target, max_tokens=tokens)
-    spec = tiny_family.greedy_in_subprocess(family.target, family.dflash, max_tokens=tokens)
+    dflash = tiny_family.dflash_speculative_config(family.dflash)
+    spec = tiny_family.greedy_in_subprocess(family.target, dflash, max_tokens=tokens)
     print(f"engine start: target {base['start_s']:.1f} s, target+dflash {spec['start_s']:.1f} s")
     print(f"chat reply: {base['chat_text']!r}")
     print(f"dflash drafts {spec['num_drafts']}, accepted tokens {spec['num_accepted']}")
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--target", type=Path, required=True)
         if name == "generate":
-            p.add_argument("--dflash", type=Path)
+            p.add_argument("--speculative-config", type=json.loads, help="JSON object")
         p.add_argument("--max-tokens", type=int, default=32)
         p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS),
                        help="JSON list of strings")
@@ -90,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         return _check(args)
     prompts = tuple(args.prompts)
     if args.command == "generate":
-        result = tiny_family.engine_greedy(args.target, args.dflash, prompts, args.max_tokens)
+        result = tiny_family.engine_greedy(
+            args.target, args.speculative_config, prompts, args.max_tokens
+        )
     else:
         result = tiny_family.transformers_greedy(args.target, prompts, args.max_tokens)
     return _write(args.json_out, result)

