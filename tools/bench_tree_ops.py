@@ -2,7 +2,7 @@
 
     python tools/bench_tree_ops.py            # correctness check, then the timing tables
     python tools/bench_tree_ops.py --no-check # timings only
-    python tools/bench_tree_ops.py --sweep    # also sweep the kernels' tile sizes
+    python tools/bench_tree_ops.py --sweep    # sweep tiles first; the tables use the fastest
 
 Correctness: the Triton kernels against the float64 references (small shapes) and
 against the vectorised PyTorch paths (model shapes), in bf16/fp16/fp32 and in
@@ -30,6 +30,9 @@ from triton_ops.tree_attention import (  # noqa: E402
     tree_attention,
     tree_kv_commit,
 )
+import triton_ops.tree_conv.conv as conv_module  # noqa: E402
+
+attention_module = sys.modules["triton_ops.tree_attention.attention"]
 from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention  # noqa: E402
 from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit  # noqa: E402
 from triton_ops.tree_conv.conv import launch_tree_conv1d  # noqa: E402
@@ -143,6 +146,7 @@ def sweep_conv_tiles(C: int = 10240) -> None:
     configs = [(16, 256, 4), (32, 256, 4), (64, 256, 8), (8, 512, 4), (16, 512, 4), (32, 512, 8),
                (16, 1024, 8), (64, 128, 4)]
     print(f"{'B':>3} {'N':>4} | " + " ".join(f"{f'{n}x{c}/{w}':>10}" for n, c, w in configs))
+    totals = [0.0] * len(configs)
     for B, N in ((1, 64), (8, 64), (32, 128)):
         meta = random_meta(B, N, [N] * B)
         x, weight, bias, state, slots = conv_inputs(B, N, C, 4, torch.bfloat16)
@@ -152,6 +156,10 @@ def sweep_conv_tiles(C: int = 10240) -> None:
             times.append(graph_us(lambda: launch_tree_conv1d(  # noqa: B023
                 x, weight, bias, state, slots, meta, "silu", out, block_n, block_c, warps)))
         print(f"{B:>3} {N:>4} | " + " ".join(f"{t:10.1f}" for t in times))
+        totals = [total + t for total, t in zip(totals, times)]
+    best = configs[min(range(len(configs)), key=totals.__getitem__)]
+    conv_module.CUDA_TILES = best
+    print(f"conv tables below use {best} (fastest summed over these shapes)")
 
 
 # ----------------------------------------------------------------------- attention
@@ -277,13 +285,17 @@ def sweep_attention_configs(prefix_len: int = 32768, N: int = 64) -> None:
     prefix = torch.tensor([prefix_len], dtype=torch.int32, device=DEV)
     out = torch.empty_like(q)
     default = kernel_config(q, 4)
+    default_tiles = attention_module.CUDA_TILES
     print(default)
     ref = tree_attention(q, keys[0], values[0], table, prefix, meta, 1 / 16)
-    candidates = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 32, 4, 4), (64, 16, 4, 3), (64, 16, 4, 4),
-                  (64, 64, 4, 3), (64, 32, 8, 3), (128, 32, 8, 2), (128, 16, 8, 3)]
-    for index, (block_m, block_n, warps, stages) in enumerate(candidates):
+    candidates = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 8, 2),
+                  (64, 32, 8, 3), (128, 16, 8, 3), (128, 32, 8, 2)]
+    timings = {}
+    for index, tiles in enumerate(candidates):
+        attention_module.CUDA_TILES = tiles
+        block_m, block_n, warps, stages = tiles
         for split_factor in (1, 2) if index == 0 else (1,):
-            splits = max(1, default.num_splits * split_factor * 64 // block_m)
+            splits = kernel_config(q, 4).num_splits * split_factor
             config = KernelConfig(block_m, block_n, warps, stages, 4 * block_n, splits)
             run = lambda: launch_tree_attention(q, keys[0], values[0], table, prefix, meta,  # noqa: E731
                                                 1 / 16, None, None, out, config)
@@ -291,12 +303,18 @@ def sweep_attention_configs(prefix_len: int = 32768, N: int = 64) -> None:
             try:
                 kernel = run()
                 err = rel_err(out, ref)
-                cp_async = kernel.asm["ptx"].count("cp.async")
-                print(f"  {name}: {graph_us(run):7.1f} us graph "
-                      f"(regs {kernel.n_regs}, spills {kernel.n_spills}, cp.async {cp_async}, "
-                      f"rel diff to default {err:.1e})")
+                elapsed = graph_us(run)
+                if split_factor == 1:
+                    timings[tiles] = elapsed
+                build = "" if kernel is None else (  # the interpreter returns no handle
+                    f"regs {kernel.n_regs}, spills {kernel.n_spills}, "
+                    f"cp.async {kernel.asm['ptx'].count('cp.async')}, ")
+                print(f"  {name}: {elapsed:7.1f} us graph ({build}rel diff to default {err:.1e})")
             except Exception as exc:  # a config may not fit in shared memory
                 print(f"  {name}: {type(exc).__name__}: {str(exc)[:60]}")
+    best = min(timings, key=timings.__getitem__) if timings else default_tiles
+    attention_module.CUDA_TILES = best
+    print(f"attention tables below use {best} (fastest here)")
 
 
 def bench_kv_commit(bandwidth: float) -> None:
@@ -321,7 +339,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--no-check", action="store_true", help="skip the correctness check")
     parser.add_argument("--no-sdpa", action="store_true", help="skip the SDPA baseline")
-    parser.add_argument("--sweep", action="store_true", help="also sweep conv and attention tiles")
+    parser.add_argument("--sweep", action="store_true",
+                        help="sweep conv and attention tiles first; the tables then use the fastest")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_tree_ops needs a CUDA GPU")
@@ -329,16 +348,21 @@ def main() -> None:
     torch.manual_seed(0)
     bandwidth, flops = copy_bandwidth(), matmul_rate()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 matmul {flops / 1e12:.0f} TFLOP/s")
+    sections = []
     if not args.no_check:
-        check_conv()
-        check_attention()
-        print(f"correctness: {'all ok' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
+        sections += [check_conv, check_attention]
     if args.sweep:
-        sweep_conv_tiles()
-        sweep_attention_configs()
-    bench_conv(bandwidth)
-    bench_kv_commit(bandwidth)
-    bench_attention(bandwidth, flops, with_sdpa=not args.no_sdpa)
+        sections += [sweep_conv_tiles, sweep_attention_configs]
+    sections += [lambda: bench_conv(bandwidth), lambda: bench_kv_commit(bandwidth),
+                 lambda: bench_attention(bandwidth, flops, with_sdpa=not args.no_sdpa)]
+    for section in sections:
+        # One broken section (a compiler error, say) must not hide the others' tables.
+        try:
+            section()
+        except Exception as exc:
+            FAILURES.append(f"{getattr(section, '__name__', 'section')}: {type(exc).__name__}")
+            print(f"  FAIL {type(exc).__name__}: {str(exc)[:300]}")
+    print(f"\nresult: {'all ok' if not FAILURES else 'FAILED: ' + ', '.join(FAILURES)}")
     if FAILURES:
         raise SystemExit(1)
 

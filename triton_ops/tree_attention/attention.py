@@ -34,6 +34,10 @@ from triton_ops.tree_metadata import TreeMetadata
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
+# (block_m, block_n, num_warps, num_stages) of the split kernel on CUDA, from the
+# H200 sweep of tools/bench_tree_ops.py at D=256 (64-key blocks, 2 stages: 353 us;
+# 32-key blocks, 3 stages: 282 us at B=1, N=64, prefix 32k).
+CUDA_TILES = (64, 32, 4, 3)
 
 
 @dataclass(frozen=True)
@@ -231,14 +235,12 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
         # The interpreter: small tiles keep it fast, and three splits exercise the merge.
         block_m = min(32, max(16, triton.next_power_of_2(rows)))
         return KernelConfig(block_m, 16, 4, 1, 16, 3)
-    # Measured on an H200 at D=256 (tools/bench_tree_ops.py sweep): 32-key blocks
-    # with 3 stages beat 64-key blocks with 2 by ~20%.
-    block_m, block_n, num_stages = 64, 32, 3
+    block_m, block_n, num_warps, num_stages = CUDA_TILES
     programs_per_split = B * num_kv_heads * triton.cdiv(rows, block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     # About two waves of programs at long prefixes; short ones leave splits idle.
-    num_splits = max(1, min(64, triton.cdiv(2 * num_sms, programs_per_split)))
-    return KernelConfig(block_m, block_n, 4, num_stages, 4 * block_n, num_splits)
+    num_splits = max(1, min(64, triton.cdiv(2 * num_sms * 64 // block_m, programs_per_split)))
+    return KernelConfig(block_m, block_n, num_warps, num_stages, 4 * block_n, num_splits)
 
 
 def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,

@@ -48,7 +48,9 @@ def _tree_kv_commit_kernel(
     # Node 0 can only sit at depth 0: a leaf <= 0 moves nothing.
     if leaf > 0:
         cache = tl.load(pointers_ptr + tl.program_id(1)).to(tl.pointer_type(ELEM))
-        j = tl.arange(0, BLOCK_J)
+        # Path rows run down axis 0 as [BLOCK_J, 1] columns from the start: Triton 3.6
+        # miscompiles 1-D values that feed both 1-D gathers and a [:, None] expansion.
+        j = tl.arange(0, BLOCK_J)[:, None]
         j_ok = (j <= leaf) & (j < N)
         word = tl.load(words_ptr + b * stride_wb + leaf * stride_wn + (j // 64) * stride_ww,
                        mask=j_ok, other=0)
@@ -60,15 +62,15 @@ def _tree_kv_commit_kernel(
         table = block_table_ptr + b * stride_tb
         src_block = tl.load(table + (src // block_size) * stride_tk, mask=moves, other=0).to(tl.int64)
         dst_block = tl.load(table + (dst // block_size) * stride_tk, mask=moves, other=0).to(tl.int64)
-        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)[None, :]
         within_row = (offs // D) * stride_ch + (offs % D) * stride_cd
-        mask = moves[:, None] & (offs < row_elems)[None, :]
-        rows = tl.load(cache + (src_block * stride_cb + (src % block_size) * stride_ct)[:, None]
-                       + within_row[None, :], mask=mask)
+        mask = moves & (offs < row_elems)
+        rows = tl.load(cache + src_block * stride_cb + (src % block_size) * stride_ct + within_row,
+                       mask=mask)
         # Gather everything, then scatter: a destination row may be another move's source.
         tl.debug_barrier()
-        tl.store(cache + (dst_block * stride_cb + (dst % block_size) * stride_ct)[:, None]
-                 + within_row[None, :], rows, mask=mask)
+        tl.store(cache + dst_block * stride_cb + (dst % block_size) * stride_ct + within_row,
+                 rows, mask=mask)
 
 
 def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
@@ -96,7 +98,7 @@ def tree_kv_commit(
 
     Args:
         key_caches, value_caches: one [num_blocks, block_size, Hkv, D] view per
-            attention layer, all of the same shape, strides and dtype.
+            attention layer, all of the same shape and dtype (strides may differ).
         block_table: [B, max_blocks] int32/int64.
         prefix_lens: [B] int32/int64, committed tokens before the tree.
         meta: tree metadata of the step.
@@ -116,12 +118,10 @@ def tree_kv_commit(
         name = f"key_caches[{index}]" if index < len(key_caches) else \
             f"value_caches[{index - len(key_caches)}]"
         check_paged_cache(name, cache, tuple(first.shape) if index else None, CACHE_DTYPES)
-        if cache.stride() != first.stride() or cache.dtype != first.dtype or \
-                cache.device != first.device:
+        if cache.dtype != first.dtype or cache.device != first.device:
             raise ValueError(
-                f"{name} must share key_caches[0]'s strides {first.stride()}, dtype "
-                f"{first.dtype} and device {first.device}, got {cache.stride()} {cache.dtype} "
-                f"{cache.device}"
+                f"{name} must share key_caches[0]'s dtype {first.dtype} and device "
+                f"{first.device}, got {cache.dtype} {cache.device}"
             )
     B = meta.batch_size
     device = first.device
@@ -153,11 +153,17 @@ def tree_kv_commit(
     # One program holds all path rows of a column slice: keep it near 4096 elements.
     block = max(16, min(1024, triton.next_power_of_2(row_elems), 4096 // block_j))
     words = meta.ancestor_words
-    grid = (B, len(caches), triton.cdiv(row_elems, block))
-    _tree_kv_commit_kernel[grid](
-        _pointer_table(caches), block_table, prefix_lens, accepted_leaf, meta.depths, words,
-        meta.max_nodes, block_size, row_elems, D,
-        *block_table.stride(), *meta.depths.stride(), *words.stride(), *first.stride(),
-        ELEM=_BITS_TYPE[first.element_size()], BLOCK_J=block_j, BLOCK=block,
-        num_warps=4,
-    )
+    # One launch per stride pattern (e.g. CPU-style caches store keys and
+    # values differently); usually one launch for all layers.
+    by_strides: dict[tuple, list[torch.Tensor]] = {}
+    for cache in caches:
+        by_strides.setdefault(cache.stride(), []).append(cache)
+    for strides, group in by_strides.items():
+        grid = (B, len(group), triton.cdiv(row_elems, block))
+        _tree_kv_commit_kernel[grid](
+            _pointer_table(group), block_table, prefix_lens, accepted_leaf, meta.depths, words,
+            meta.max_nodes, block_size, row_elems, D,
+            *block_table.stride(), *meta.depths.stride(), *words.stride(), *strides,
+            ELEM=_BITS_TYPE[first.element_size()], BLOCK_J=block_j, BLOCK=block,
+            num_warps=4,
+        )

@@ -17,6 +17,8 @@ from triton_ops.tree_conv.backend import use_triton
 from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
 
 ACTIVATIONS = ("silu", None)
+# (block_n, block_c, num_warps) of the conv kernel; tools/bench_tree_ops.py sweeps them.
+CUDA_TILES = (16, 256, 4)
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -220,9 +222,10 @@ def tree_conv1d(
         out.copy_(torch.where(meta.valid.unsqueeze(-1), y, 0.0))
         return out
 
+    block_n, block_c, num_warps = CUDA_TILES
     launch_tree_conv1d(x, weight, bias, conv_state, state_slots, meta, activation, out,
-                       block_n=min(16, triton.next_power_of_2(N)),
-                       block_c=min(256, triton.next_power_of_2(C)), num_warps=4)
+                       block_n=min(block_n, triton.next_power_of_2(N)),
+                       block_c=min(block_c, triton.next_power_of_2(C)), num_warps=num_warps)
     return out
 
 
