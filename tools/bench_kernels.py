@@ -147,6 +147,7 @@ def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
         (4, 128, 2, 6, 128, 128, "tree", True, torch.float32),
         (2, 100, 1, 2, 128, 128, "forest", True, torch.bfloat16),
         (1, 64, 16, 48, 128, 128, "tree", False, torch.float32),
+        (2, 48, 16, 48, 128, 128, "tree", True, "bf16 inputs"),
     ]
     if smoke:
         cases = [c for c in cases if c[4] <= 64][:2]
@@ -163,7 +164,11 @@ def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
         if partial:
             counts[1:] = torch.randint(1, N + 1, (B - 1,), generator=gen)
         meta = build_tree_metadata(parents.to(device), counts.to(device))
-        q, k, v, g, beta, pool, slots = gdn_inputs(gen, B, N, H, HV, K, V, torch.float32, device)
+        # "bf16 inputs": bf16 q/k/v/beta (the 16-bit dot path), fp32 state.
+        low = state_dtype == "bf16 inputs"
+        state_dtype = torch.float32 if low else state_dtype
+        dtype = torch.bfloat16 if low else torch.float32
+        q, k, v, g, beta, pool, slots = gdn_inputs(gen, B, N, H, HV, K, V, dtype, device)
         pool = pool.to(state_dtype)
         ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
         out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
@@ -176,11 +181,13 @@ def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
         commit_err = rel_err(new_pool[slots.long()], want)
         rec_o, _ = fused_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
         errs = (rel_err(out.o, ref_o), commit_err, rel_err(rec_o, ref_o))
-        tol = 1e-4 if state_dtype == torch.float32 else 1e-2
-        passed = pad_ok and max(errs) < tol
+        # bf16 state or output rounds at ~4e-3; the fp32 commit of bf16 inputs stays tight.
+        tol = 1e-4 if state_dtype == torch.float32 and not low else 1e-2
+        passed = pad_ok and max(errs) < tol and (not low or commit_err < 1e-4)
         ok &= passed
         rows.append([
-            f"{B}x{N}x{H}/{HV}x{K}", shape + ("+pad" if partial else ""), str(state_dtype).split(".")[-1],
+            f"{B}x{N}x{H}/{HV}x{K}", shape + ("+pad" if partial else ""),
+            "bf16 in" if low else str(state_dtype).split(".")[-1],
             *(f"{e:.1e}" for e in errs), "ok" if passed else "FAIL",
         ])
     header = ["B x N x H/HV x K", "tree", "state", "verify err", "commit err", "recurrent err", "check"]
@@ -239,7 +246,8 @@ def gdn_fla_chain(device, N: int, B: int, H: int, HV: int, K: int, V: int, layer
     return eager, graph, err, ours
 
 
-def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> list[str]:
+def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[str]:
+    smoke = args.smoke
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
     Ns = (16,) if smoke else (16, 32, 64, 128)
     Bs = (1, 2) if smoke else (1, 8, 32)
@@ -266,12 +274,14 @@ def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> 
                 [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
                 device,
             ))
-            node_states = torch.empty(B, N, HV, K, V, dtype=torch.float32, device=device)
-            rec_graph = guarded("recurrent graph", lambda: time_graph(
-                [lambda s=s: fused_recurrent_gdn_tree(*s, meta, node_states=node_states) for s in sets],
-                device,
-            ))
-            del node_states
+            rec_graph = float("nan")
+            if not args.skip_baselines:
+                node_states = torch.empty(B, N, HV, K, V, dtype=torch.float32, device=device)
+                rec_graph = guarded("recurrent graph", lambda: time_graph(
+                    [lambda s=s: fused_recurrent_gdn_tree(*s, meta, node_states=node_states) for s in sets],
+                    device,
+                ))
+                del node_states
             verify_floor = 1e6 * (state_bytes + in_bytes + out_bytes) / bandwidth
             commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
             commit_floor = 1e6 * commit_bytes / bandwidth
@@ -280,7 +290,7 @@ def gdn_timing_table(device, smoke: bool, bandwidth: float, deadline: float) -> 
                 fmt(commit_graph), fmt(commit_floor), fmt(rec_graph),
                 fmt(rec_graph / verify_graph if verify_graph else float("nan")),
             ])
-            if device.type == "cuda" and time.monotonic() < deadline:
+            if device.type == "cuda" and time.monotonic() < deadline and not args.skip_baselines:
                 try:
                     fla = gdn_fla_chain(device, N, B, H, HV, K, V, layers)
                 except Exception as exc:  # noqa: BLE001 - fla is a baseline, not under test
@@ -318,28 +328,28 @@ def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
     H, HV, K, V = 16, 48, 128, 128
     rows = []
     gen = torch.Generator().manual_seed(4)
-    configs = [(bt, bv, w, "tf32x3") for bt in (16, 32) for bv in (32, 64, 128) for w in (4, 8)]
-    configs += [(16, 64, 4, "tf32"), (16, 64, 4, "ieee")]
-    for N, B in ((64, 1), (64, 32)):
+    configs = [(bv, w, "tf32x3") for bv in (16, 32, 64, 128) for w in (4, 8)]
+    configs += [(32, 4, "tf32"), (32, 4, "ieee")]
+    for N, B in ((64, 1), (64, 8), (64, 32)):
         meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
-        for bt, bv, warps, prec in configs:
+        for bv, warps, prec in configs:
             if time.monotonic() > deadline:
                 break
 
-            def call(s, bt=bt, bv=bv, warps=warps, prec=prec):
+            def call(s, bv=bv, warps=warps, prec=prec):
                 q, k, v, g, beta, pool, slots = s
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
-                                     block_t=bt, block_v=bv, num_warps=warps)
+                                     block_v=bv, num_warps=warps)
 
             try:
                 us = time_graph([lambda s=s: call(s) for s in sets], device)
             except Exception as exc:  # a configuration that does not compile is reported, not fatal
                 us = float("nan")
-                print(f"config BT={bt} BV={bv} warps={warps} {prec}: {type(exc).__name__}: {exc}"[:300])
-            rows.append([str(N), str(B), str(bt), str(bv), str(warps), prec, fmt(us)])
+                print(f"config BV={bv} warps={warps} {prec}: {type(exc).__name__}: {exc}"[:300])
+            rows.append([str(N), str(B), str(bv), str(warps), prec, fmt(us)])
     return table("GDN tree verify launch configurations (us per layer, CUDA graph)",
-                 ["N", "B", "BT", "BV", "warps", "precision", "graph"], rows)
+                 ["N", "B", "BV", "warps", "precision", "graph"], rows)
 
 
 def bench_gdn(args) -> list[str]:
@@ -348,7 +358,7 @@ def bench_gdn(args) -> list[str]:
     lines, ok = gdn_correctness(device, args.smoke)
     print("\n".join(lines), flush=True)
     bandwidth = copy_bandwidth(device)
-    timing = gdn_timing_table(device, args.smoke, bandwidth, deadline)
+    timing = gdn_timing_table(device, args, bandwidth, deadline)
     print("\n".join(timing), flush=True)
     precision = gdn_precision_table(device, args.smoke)
     print("\n".join(precision), flush=True)
@@ -367,6 +377,7 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
+    parser.add_argument("--skip-baselines", action="store_true", help="GDN: skip the recurrent and fla rows")
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new timings after this")
     args = parser.parse_args()
     only = [name for name in args.only.split(",") if name]

@@ -1,17 +1,19 @@
 """Triton kernels for tree verify and commit (the CUDA path).
 
-Verify runs one program per (request, value head, block of BV value columns).
-The committed state tile ``S0`` [K, BV] is loaded once and stays in registers;
-nodes are processed in row blocks of BT = 16 by block forward substitution:
+Verify, N <= 64 (``_verify_tile_kernel``): one program per (request, value head,
+block of BV value columns) holds all nodes in one tile. It forms ``Q K^T``,
+``K K^T``, ``K S0`` and ``Q S0`` with K in chunks of 64 (``S0`` is read once),
+then solves ``(I + A) Delta = R`` by block forward substitution over 16-row
+blocks: the 16x16 diagonal blocks are inverted together, row position by row
+position, in plain fp32 (stable for repeated keys, where powers of A explode),
+and each later block subtracts its ancestors' contributions with one dot.
 
-    X_r     = diag(beta_r) (V_r - diag(e^G_r) K_r S0) - sum_{c<r} A_rc Delta_c
-    Delta_r = (I + A_rr)^{-1} X_r
+Verify, N > 64 (``_verify_rowblock_kernel``): the same algebra one 16-row block
+at a time, ``S0`` kept in registers, earlier blocks' ``Delta`` re-read from the
+output buffer (a barrier orders the two within the program), off-diagonal
+blocks with no ancestor pair skipped.
 
-The 16x16 diagonal inverse is built row by row in fp32 (forward substitution,
-stable for repeated keys where powers of A explode); off-diagonal blocks with no
-ancestor pair are skipped. ``Delta_c`` of earlier blocks is re-read from the
-output buffer it was just written to (a barrier orders the two within the
-program). Commit runs one program per (request, value head, K block, V block).
+Commit runs one program per (request, value head, K block, V block).
 
 Path sums G are accumulated and kept in float64 and only their differences are
 rounded to fp32 (see ``GDNTreeVerifyOutput.gate_sum``).
@@ -29,6 +31,9 @@ from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
 from triton_ops.tree_metadata import TreeMetadata
 
 ROW_BLOCK = 16
+# Largest node count handled as one tile; beyond it the row-block kernel runs.
+TILE_MAX_NODES = 64
+K_CHUNK = 64
 # Registers hold the [BK, BV] state tile for the whole program: cap its size.
 _STATE_TILE_ELEMS = 8192
 
@@ -38,10 +43,17 @@ def _pow2_at_least_16(n: int) -> int:
 
 
 def default_block_v(K: int, V: int) -> int:
-    """Value columns per verify program: two or more programs per head at V = 128
-    so that a batch of one still spreads over the GPU, within the register cap."""
+    """Value columns per row-block verify program, within the register cap."""
     BK = _pow2_at_least_16(K)
     return max(16, min(_pow2_at_least_16(V), 64, _STATE_TILE_ELEMS // BK))
+
+
+def default_tile_config(heads: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of the tile kernel: split V finely while the batch is small
+    so that the programs cover the GPU; every program re-solves its head's
+    triangular system, which is cheap next to the value-side products."""
+    BV = 32 if heads < 128 else 64 if heads < 512 else 128
+    return min(BV, _pow2_at_least_16(V)), 4
 
 
 @triton.jit
@@ -85,7 +97,164 @@ def unit_lower_inverse(a, BT: tl.constexpr):
 
 
 @triton.jit
-def _verify_kernel(
+def word_bits(lo, hi, cols):
+    """[NP, len(cols)] bool: bit ``cols[j]`` of each row's 64-bit word given as int32 halves."""
+    half = tl.where(cols[None, :] < 32, lo[:, None], hi[:, None])
+    return ((half >> (cols[None, :] % 32)) & 1) != 0
+
+
+@triton.jit
+def path_decay(lo, hi, nodes, g_hi, g_lo):
+    """[NP, NP] ``exp(G_i - G_j)`` where ``j`` is ``i`` or its ancestor, else 0; the
+    difference is taken on the (hi, lo) halves and masked inside the exponent."""
+    diff = (g_hi[:, None] - g_hi[None, :]) + (g_lo[:, None] - g_lo[None, :])
+    return tl.exp(tl.where(word_bits(lo, hi, nodes), diff, float("-inf")))
+
+
+@triton.jit
+def load_chunk(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """Like :func:`load_rows` but in the stored dtype."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
+
+
+@triton.jit
+def dot_raw(x, y, PREC: tl.constexpr, LOWP: tl.constexpr):
+    """x @ y in fp32: 16-bit operands multiply natively (their products are exact
+    in the fp32 accumulator), fp32 operands at precision PREC."""
+    if LOWP:
+        return tl.dot(x, y)
+    return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
+    """``(I + a_bd)^{-1}`` [NP, NP], with ``a_bd`` the BT x BT diagonal blocks of
+    the strictly lower triangular ``a``: all blocks advance together, one row
+    position per step (``T_i = e_i - sum_{j<i} a_ij T_j``, plain fp32)."""
+    NB: tl.constexpr = NP // BT
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]
+    a3 = tl.sum(tl.where(same, tl.reshape(a, [NB, BT, NB, BT]), 0.0), axis=2)
+    pos = tl.arange(0, BT)
+    row = pos[None, :, None]
+    t3 = tl.where(row == pos[None, None, :], 1.0, 0.0) + tl.zeros([NB, BT, BT], dtype=tl.float32)
+    for i in tl.static_range(1, BT):
+        a_i = tl.sum(tl.where(row == i, a3, 0.0), axis=1)
+        t_i = tl.where(pos[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * t3, axis=1)
+        t3 = tl.where(row == i, t_i[:, None, :], t3)
+    return tl.reshape(tl.where(same, t3[:, :, None, :], 0.0), [NP, NP])
+
+
+@triton.jit
+def _verify_tile_kernel(
+    q, k, v, g, beta, state, slots, words, num_nodes,
+    o, delta, gate_sum, k_normed,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_gb, stride_gn, stride_gh,
+    stride_bb, stride_bn, stride_bh,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    scale, N, HV, K, V, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    LOWP_QK: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    H = HV // GROUP
+    n_b = tl.load(num_nodes + b)
+    slot = tl.load(slots + b).to(tl.int64)
+    nodes = tl.arange(0, NP)
+    live = nodes < n_b
+    cv = i_v * BV + tl.arange(0, BV)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    v += b * stride_vb + hv * stride_vh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
+    state += slot * stride_ss + hv * stride_sh
+
+    # N <= 64: one bitset word per node, handled as two int32 halves (int64 tiles
+    # cost twice the registers). G is summed in float64 over 16-column slices and
+    # kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
+    word = tl.load(words + b * N + nodes, mask=live, other=0)
+    lo = word.to(tl.int32)
+    hi = (word >> 32).to(tl.int32)
+    g_sum = tl.zeros([NP], dtype=tl.float64)
+    for c in tl.static_range(NP // BT):
+        cols = c * BT + tl.arange(0, BT)
+        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
+        g_sum += tl.sum(tl.where(word_bits(lo, hi, cols), g_c[None, :], 0.0), axis=1)
+    tl.store(gate_sum + b * N * HV + hv + nodes * HV, g_sum, mask=nodes < N)
+    g_hi = g_sum.to(tl.float32)
+    g_lo = (g_sum - g_hi.to(tl.float64)).to(tl.float32)
+
+    # Three passes over K in chunks of BKC, each keeping few tiles alive (register
+    # pressure, not bandwidth, limits this kernel; the re-reads of q and k hit
+    # cache): K K^T -> A; then K S0, Q S0 -> right-hand side; solve; then Q K^T.
+    # L2 normalisation is applied to the raw products afterwards.
+    kk = tl.zeros([NP, NP], dtype=tl.float32)
+    k_sq = tl.zeros([NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        b_k = load_chunk(k, nodes, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
+    b_beta = tl.load(beta + nodes * stride_bn, mask=live, other=0.0).to(tl.float32)
+    decay = path_decay(lo, hi, nodes, g_hi, g_lo)
+    a = tl.where(nodes[:, None] > nodes[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+
+    ks = tl.zeros([NP, BV], dtype=tl.float32)
+    qs = tl.zeros([NP, BV], dtype=tl.float32)
+    q_sq = tl.zeros([NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        ck = c * BKC + tl.arange(0, BKC)
+        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K).to(tl.float32)
+        ks += tl.dot(b_k, s0, input_precision=PREC)
+        b_q = load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K).to(tl.float32)
+        qs += tl.dot(b_q, s0, input_precision=PREC)
+        q_sq += tl.sum(b_q * b_q, axis=1)
+    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
+    e_g = tl.exp(g_hi)
+    b_v = load_rows(v, nodes, cv, stride_vn, stride_vv, n_b, V)
+    rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
+
+    # Block forward substitution: every block solved with its diagonal inverse,
+    # block r after subtracting A_{r,<r} Delta_{<r} of the blocks before it.
+    d_inv = block_diagonal_inverse(a, NP, BT)
+    d = tl.dot(d_inv, rhs, input_precision=PREC)
+    blk = nodes // BT
+    for r in tl.static_range(1, NP // BT):
+        a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
+        x = rhs - tl.dot(a_r, d, input_precision=PREC)
+        d = tl.where(blk[:, None] == r, tl.dot(d_inv, x, input_precision=PREC), d)
+
+    qk = tl.zeros([NP, NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        ck = c * BKC + tl.arange(0, BKC)
+        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K)
+        qk += dot_raw(load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+        if (i_v == 0) & (hv % GROUP == 0):
+            tl.store(
+                k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
+                b_k.to(tl.float32) * rk[:, None], mask=(nodes[:, None] < N) & (ck[None, :] < K),
+            )
+    p = qk * (rq[:, None] * rk[None, :]) * path_decay(lo, hi, nodes, g_hi, g_lo)
+    b_o = (e_g * rq)[:, None] * qs + tl.dot(p, d, input_precision=PREC)
+    out = b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :]
+    out_mask = (nodes[:, None] < N) & (cv[None, :] < V)
+    tl.store(delta + out, d, mask=out_mask)
+    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _verify_rowblock_kernel(
     q, k, v, g, beta, state, slots, words, num_nodes,
     o, delta, gate_sum, k_normed,
     stride_qb, stride_qn, stride_qh, stride_qk,
@@ -123,8 +292,8 @@ def _verify_kernel(
     # G = Mbar g for every node, shared by all row blocks through gate_sum.
     nodes = tl.arange(0, NP)
     g_all = tl.load(g + nodes * stride_gn, mask=nodes < n_b, other=0.0).to(tl.float64)
-    bits = ancestor_bits(words, b * N, nodes, nodes, W, n_b)
-    tl.store(gate_sum + nodes * HV, tl.sum(tl.where(bits, g_all[None, :], 0.0), axis=1), mask=nodes < N)
+    tree = ancestor_bits(words, b * N, nodes, nodes, W, n_b)
+    tl.store(gate_sum + nodes * HV, tl.sum(tl.where(tree, g_all[None, :], 0.0), axis=1), mask=nodes < N)
     tl.debug_barrier()
 
     s0 = load_rows(state + slot * stride_ss + hv * stride_sh, ck, cv, stride_sk, stride_sv, K, V)
@@ -146,18 +315,18 @@ def _verify_kernel(
         b_o = b_eg[:, None] * tl.dot(b_q, s0, input_precision=PREC)
         for c in range(0, r):
             cols = c * BT + rb
-            bits = ancestor_bits(words, b * N, rows, cols, W, n_b)
-            if tl.max(bits.to(tl.int32)) > 0:
+            pairs = ancestor_bits(words, b * N, rows, cols, W, n_b)
+            if tl.max(pairs.to(tl.int32)) > 0:
                 b_kc = l2_normalize_rows(load_rows(k, cols, ck, stride_kn, stride_kk, n_b, K), USE_L2)
                 b_gc = tl.load(gate_sum + cols * HV)
                 b_dc = load_rows(delta, cols, cv, HV * V, 1, N, V)
-                decay = tl.exp(tl.where(bits, (b_g[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
-                b_a = tl.dot(b_k, tl.trans(b_kc), input_precision=PREC) * decay * b_beta[:, None]
-                b_p = tl.dot(b_q, tl.trans(b_kc), input_precision=PREC) * decay
-                b_x -= tl.dot(b_a, b_dc, input_precision=PREC)
-                b_o += tl.dot(b_p, b_dc, input_precision=PREC)
-        bits = ancestor_bits(words, b * N, rows, rows, W, n_b)
-        decay = tl.exp(tl.where(bits, (b_g[:, None] - b_g[None, :]).to(tl.float32), float("-inf")))
+                decay_rc = tl.exp(tl.where(pairs, (b_g[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
+                b_arc = tl.dot(b_k, tl.trans(b_kc), input_precision=PREC) * decay_rc * b_beta[:, None]
+                b_prc = tl.dot(b_q, tl.trans(b_kc), input_precision=PREC) * decay_rc
+                b_x -= tl.dot(b_arc, b_dc, input_precision=PREC)
+                b_o += tl.dot(b_prc, b_dc, input_precision=PREC)
+        diag = ancestor_bits(words, b * N, rows, rows, W, n_b)
+        decay = tl.exp(tl.where(diag, (b_g[:, None] - b_g[None, :]).to(tl.float32), float("-inf")))
         b_a = tl.where(strict, tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * decay * b_beta[:, None], 0.0)
         b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay
         b_d = tl.dot(unit_lower_inverse(b_a, BT), b_x, input_precision=PREC)
@@ -233,30 +402,43 @@ def verify_triton(
     scale: float,
     use_qk_l2norm: bool,
     precision: str,
-    block_t: int = ROW_BLOCK,
     block_v: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ) -> GDNTreeVerifyOutput:
-    """Launch the verify kernel; ``block_t`` (row block), ``block_v`` and ``num_warps``
-    are tuning knobs for benchmarks."""
+    """Launch the verify kernel (one tile for N <= 64, row blocks beyond);
+    ``block_v`` and ``num_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = _pow2_at_least_16(K)
-    BV = default_block_v(K, V) if block_v is None else block_v
+    NP = _pow2_at_least_16(N)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
     delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
     gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
     k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)
-    _verify_kernel[(triton.cdiv(V, BV), B * HV)](
+    args = (
         q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
         o, delta, gate_sum, k_normed,
         *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
         scale, N, HV, K, V, words.shape[-1],
-        GROUP=HV // H, NP=max(_pow2_at_least_16(N), block_t), BT=block_t, BK=BK, BV=BV,
-        USE_L2=use_qk_l2norm, PREC=precision, num_warps=num_warps,
     )
+    if NP <= TILE_MAX_NODES:
+        BV, warps = default_tile_config(B * HV, V)
+        BV = block_v or BV
+        _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
+            *args,
+            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=q.element_size() == 2,
+            num_warps=num_warps or warps,
+        )
+    else:
+        BV = block_v or default_block_v(K, V)
+        _verify_rowblock_kernel[(triton.cdiv(V, BV), B * HV)](
+            *args,
+            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BV=BV,
+            USE_L2=use_qk_l2norm, PREC=precision, num_warps=num_warps or 4,
+        )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
 
 
