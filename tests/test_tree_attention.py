@@ -21,7 +21,7 @@ from triton_ops.tree_attention import (
 from triton_ops.tree_metadata import build_tree_metadata
 
 BACKENDS = ("torch", "triton")
-LAYOUTS = ("contiguous", "kv_stacked", "hnd")
+LAYOUTS = ("contiguous", "kv_stacked", "hnd", "cpu_attn")
 
 
 def make_meta(kinds, num_nodes, max_nodes, gen):
@@ -38,6 +38,14 @@ def empty_caches(num_blocks, block_size, Hkv, D, layout, dtype, num_layers=1):
     elif layout == "kv_stacked":
         both = torch.full((num_layers, num_blocks, 2, block_size, Hkv, D), math.nan, dtype=dtype)
         keys, values = both[:, :, 0], both[:, :, 1]
+    elif layout == "cpu_attn":
+        # vLLM's CPU_ATTN block per kv head: keys transposed [D, block_size], then
+        # values [block_size, D]; keys and values have different strides.
+        raw = torch.full((num_layers, num_blocks, Hkv, block_size, 2 * D), math.nan, dtype=dtype)
+        size = (num_layers, num_blocks, block_size, Hkv, D)
+        L, B_, H_, _, _ = raw.stride()
+        keys = raw.as_strided(size, (L, B_, 1, H_, block_size))
+        values = raw.as_strided(size, (L, B_, D, H_, 1), block_size * D)
     elif layout == "hnd":
         hnd = (num_layers, num_blocks, Hkv, block_size, D)
         keys = torch.full(hnd, math.nan, dtype=dtype).transpose(2, 3)
@@ -114,6 +122,7 @@ TREE_CASES = [
     (("random", "chain"), (8, 8), 8, (100, 3), 16, "kv_stacked", 2, 3, 32, None, 5.0),
     (("random", "forest"), (16, 12), 16, (64, 31), 16, "contiguous", 1, 3, 32, 9, 3.0),
     (("random",), (5,), 5, (17,), 16, "hnd", 1, 1, 256, None, None),
+    (("random", "star"), (9, 4), 9, (40, 2), 32, "cpu_attn", 2, 2, 64, None, None),
 ]
 
 
@@ -227,7 +236,7 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="value_caches"):
         tree_kv_commit(keys, [], *args, leaf)
     with pytest.raises(ValueError, match="value_caches"):
-        tree_kv_commit(keys, [values[0].transpose(1, 2).contiguous().transpose(1, 2)], *args, leaf)
+        tree_kv_commit(keys, [values[0].to(torch.float64)], *args, leaf)
     with pytest.raises(ValueError, match="accepted_leaf"):
         tree_kv_commit(keys, values, *args, torch.tensor([4, 2]))
     with pytest.raises(ValueError, match="prefix_lens"):

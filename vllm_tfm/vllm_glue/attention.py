@@ -16,13 +16,33 @@ from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.tree_step import select_requests
 
 
-def cpu_key_value_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+# CPU_ATTN ISAs whose block layout we read: per (block, kv head) the block's
+# keys are stored transposed, [D, block_size], followed by its values,
+# [block_size, D] (established against vLLM's own cpu_attn_reshape_and_cache
+# in tests/test_glue_cpu_cache.py). AMX packs keys differently.
+CPU_READABLE_ISAS = ("vec", "vec16")
+
+
+def cpu_key_value_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
     """CPU_ATTN's [blocks, kv_heads, block_size, 2 * D] cache as two
-    [blocks, block_size, kv_heads, D] views (keys, then values, per block)."""
-    num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-    paired = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, -1)
-    keys, values = paired.chunk(2, dim=2)
-    return keys.permute(0, 2, 1, 3), values.permute(0, 2, 1, 3)
+    [blocks, block_size, kv_heads, D] strided views (keys, values)."""
+    if isa not in CPU_READABLE_ISAS:
+        raise RuntimeError(
+            f"dflash_tfm reads CPU_ATTN KV blocks of ISA {list(CPU_READABLE_ISAS)}; this "
+            f"machine's attention ISA is {isa!r}"
+        )
+    num_blocks, num_kv_heads, block_size, double_head = kv_cache.shape
+    head_size = double_head // 2
+    block_stride, head_stride, row_stride, _ = kv_cache.stride()
+    if kv_cache.stride(3) != 1 or row_stride != double_head:
+        raise RuntimeError(f"unexpected CPU KV cache strides {kv_cache.stride()}")
+    size = (num_blocks, block_size, num_kv_heads, head_size)
+    offset = kv_cache.storage_offset()
+    keys = kv_cache.as_strided(size, (block_stride, 1, head_stride, block_size), offset)
+    values = kv_cache.as_strided(
+        size, (block_stride, head_size, head_stride, 1), offset + block_size * head_size
+    )
+    return keys, values
 
 
 def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> None:
@@ -46,7 +66,7 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
         select_requests(step.meta, requests),
         impl.scale,
         sliding_window=window,
-        logits_soft_cap=impl.logits_soft_cap,
+        logits_soft_cap=impl.logits_soft_cap or None,  # vLLM writes 0 for "none"
     )
     output[rows[valid]] = out[valid].to(output.dtype)
 
@@ -71,7 +91,7 @@ def wrap_cpu_attention_forward(original):
         num_tokens = attn_metadata.num_actual_tokens
         out_rows = output[:num_tokens].view(num_tokens, query.shape[1], query.shape[2])
         tree_attention_rows(
-            step, self, query[:num_tokens], cpu_key_value_views(kv_cache),
+            step, self, query[:num_tokens], cpu_key_value_views(kv_cache, layer.isa),
             attn_metadata.block_table, out_rows,
         )
         return output

@@ -43,7 +43,8 @@ def commit_step(runner, step) -> None:
     if step.tree_requests().numel() > 0:
         context = runner.compilation_config.static_forward_context
         for gid, names in _attention_layers_by_group(runner):
-            views = [cpu_key_value_views(context[name].kv_cache) for name in names]
+            views = [cpu_key_value_views(context[name].kv_cache, context[name].isa)
+                     for name in names]
             block_table = runner.input_batch.block_table[gid].get_device_tensor(num_reqs)
             tree_kv_commit(
                 [keys for keys, _ in views], [values for _, values in views],

@@ -34,7 +34,10 @@ class TreeProposer(DFlashProposer):
         self.runner = runner
         self.options = options
         self.weaver = None
-        self.draft_depth = options.draft_depth
+        # A tree of ``budget`` nodes is at most ``budget`` deep, and vLLM sized
+        # the drafter's buffers and KV lookahead for num_speculative_tokens =
+        # budget: the DFlash block must not be longer.
+        self.draft_depth = min(options.draft_depth, options.budget)
         self.trees: DraftTree | None = None
         self._tree_row: dict[str, int] = {}
         self._parents_cpu: np.ndarray | None = None

@@ -120,6 +120,12 @@ def wrap_sample(original):
         step = getattr(self, "_tfm_step", None)
         if not _enabled(self) or spec_decode_metadata is None or step is None:
             return original(self, logits, spec_decode_metadata)
+        if step.tree_requests().numel() == 0:
+            # No drafts anywhere (e.g. a step of prompts): vLLM's sampler, and
+            # every request's root is its accepted leaf.
+            step.accepted_leaf = torch.zeros(len(step.req_ids), dtype=torch.int64,
+                                             device=step.token_rows.device)
+            return original(self, logits, spec_decode_metadata)
         from vllm_tfm.vllm_glue.verify import verify_step
 
         return verify_step(self, step, logits, spec_decode_metadata)

@@ -1,0 +1,116 @@
+"""Tree verification inside vLLM's sampling step.
+
+Replaces the chain rejection sampler for a step that scored draft trees:
+the target's logits of every node go through vLLM's own temperature /
+top-k / top-p processing, then the drafting core's verifiers accept one
+root-to-node path plus a bonus token per request. Greedy requests always use
+the greedy verifier (their target distribution is a point mass); sampled
+requests use ``verify`` ("auto" = traversal).
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
+
+from vllm_tfm.drafting.tree import DraftTree, derive_seeds
+from vllm_tfm.drafting.verifiers import (
+    VerifyResult,
+    verify_greedy,
+    verify_target_only,
+    verify_traversal,
+)
+
+_GREEDY_TEMPERATURE_EPS = 1e-5
+_SAMPLED_VERIFIERS = {
+    "auto": verify_traversal,
+    "traversal": verify_traversal,
+    "target_only": verify_target_only,
+}
+
+
+def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor) -> torch.Tensor:
+    """[R, N, V] logits of each node (rows of request r: cu_sampled[r] - n_r + j)."""
+    ends = spec_metadata.cu_num_sampled_tokens.to(logits.device).long()
+    count = num_nodes.to(logits.device).long()
+    node = torch.arange(int(count.max()), device=logits.device)
+    rows = (ends - count).view(-1, 1) + node
+    valid = node < count.view(-1, 1)
+    return logits[torch.where(valid, rows, 0)] * valid[..., None]
+
+
+def _request_seeds(sampling_metadata, num_reqs: int, step_counter: int, device) -> torch.Tensor:
+    """One fresh seed per request and step: from the request's own generator
+    when it was given a seed (reproducible), else from the global generator."""
+    seeds = torch.randint(0, 1 << 62, (num_reqs,), dtype=torch.int64)
+    for index, generator in sampling_metadata.generators.items():
+        if index < num_reqs:
+            seeds[index] = torch.randint(
+                0, 1 << 62, (1,), dtype=torch.int64, generator=generator,
+                device=generator.device,
+            ).cpu()
+    return derive_seeds(seeds.to(device), step_counter)
+
+
+def _merge(greedy: VerifyResult, sampled: VerifyResult, is_greedy: torch.Tensor) -> VerifyResult:
+    pick = lambda a, b: torch.where(  # noqa: E731
+        is_greedy.view(-1, *([1] * (a.dim() - 1))), a, b
+    )
+    return VerifyResult(
+        accepted_leaf=pick(greedy.accepted_leaf, sampled.accepted_leaf),
+        accepted_len=pick(greedy.accepted_len, sampled.accepted_len),
+        path=pick(greedy.path, sampled.path),
+        bonus_token=pick(greedy.bonus_token, sampled.bonus_token),
+        output_tokens=pick(greedy.output_tokens, sampled.output_tokens),
+    )
+
+
+def verify_trees(
+    tree: DraftTree, logits: torch.Tensor, processed: torch.Tensor, is_greedy: torch.Tensor,
+    seeds: torch.Tensor, mode: str,
+) -> VerifyResult:
+    """Accept one path per request.
+
+    Args:
+        logits: [R, N, V] raw target logits per node; processed: the same
+            after temperature / top-k / top-p; is_greedy: [R] bool.
+    """
+    greedy = verify_greedy(tree, logits, validate=False)
+    if bool(is_greedy.all()):
+        return greedy
+    probs = torch.softmax(processed.float(), dim=-1)
+    sampled = _SAMPLED_VERIFIERS[mode](tree, probs, seeds, validate=False)
+    return _merge(greedy, sampled, is_greedy)
+
+
+def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOutput:
+    options = runner._tfm_options
+    sampling = runner.input_batch.sampling_metadata
+    num_reqs = len(step.req_ids)
+    num_nodes = step.meta.num_nodes
+    tree = runner.drafter.scheduled_trees(step.req_ids, num_nodes)
+    raw = logits.float()
+    node_logits = _node_logits(raw, spec_metadata, num_nodes)
+    is_greedy = torch.ones(num_reqs, dtype=torch.bool, device=raw.device)
+    processed = node_logits
+    if not sampling.all_greedy:
+        is_greedy = sampling.temperature[:num_reqs] < _GREEDY_TEMPERATURE_EPS
+        processed = _node_logits(
+            apply_sampling_constraints(
+                raw.clone(), spec_metadata.cu_num_sampled_tokens, sampling
+            ),
+            spec_metadata, num_nodes,
+        )
+    if options.verify == "greedy":
+        is_greedy = torch.ones_like(is_greedy)
+    runner._tfm_verify_steps = getattr(runner, "_tfm_verify_steps", 0) + 1
+    seeds = _request_seeds(sampling, num_reqs, runner._tfm_verify_steps, raw.device)
+    mode = "auto" if options.verify == "greedy" else options.verify
+    result = verify_trees(tree, node_logits, processed, is_greedy, seeds, mode)
+    step.accepted_leaf = result.accepted_leaf
+    width = spec_metadata.max_spec_len + 1
+    sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=raw.device)
+    tokens = result.output_tokens[:, :width]
+    sampled[:, : tokens.shape[1]] = tokens.to(torch.int32)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
