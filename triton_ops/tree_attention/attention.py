@@ -34,10 +34,10 @@ from triton_ops.tree_metadata import TreeMetadata
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
-# (block_m, block_n, num_warps, num_stages) of the split kernel on CUDA, from the
-# H200 sweep of tools/bench_tree_ops.py at D=256 (64-key blocks, 2 stages: 353 us;
-# 32-key blocks, 3 stages: 282 us at B=1, N=64, prefix 32k).
-CUDA_TILES = (64, 32, 4, 3)
+# (block_m, block_n, num_warps, num_stages) of the split kernel on CUDA: the fastest
+# of the H200 sweep in tools/bench_tree_ops.py at D=256, B=1, N=64, prefix 32k
+# (234 us; 64x32 tiles with 4 warps: 238 us; the first 64x64 tiles: 353 us).
+CUDA_TILES = (128, 32, 8, 2)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Commit of the accepted path's K/V: node ``j`` of the path moves from logical
 position ``prefix_len + j`` to ``prefix_len + depth(j)``, for every attention layer.
 
-Path nodes have increasing indices from root to leaf and ``depth(j) <= j``: a
-move writes ``prefix_len + depth(j)``, which no deeper move j' reads
-(``j' >= depth(j') > depth(j)``). So reading every source before writing any
-destination gives the result of copying one row at a time, shallowest first.
+Path nodes have increasing indices from root to leaf and ``depth(j) <= j``, so
+a move never writes a position that a later (deeper) move reads; copying in
+index order is the sequential semantics, and so is reading every source before
+writing any destination.
 """
 
 from __future__ import annotations
@@ -36,41 +36,36 @@ _MAX_POINTER_TABLES = 16
 @triton.jit
 def _tree_kv_commit_kernel(
     pointers_ptr, block_table_ptr, prefix_ptr, leaf_ptr, depths_ptr, words_ptr,
-    N, block_size, row_elems, D,
+    block_size, row_elems, D,
     stride_tb, stride_tk,
     stride_db, stride_dn,
     stride_wb, stride_wn, stride_ww,
     stride_cb, stride_ct, stride_ch, stride_cd,
-    ELEM: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK: tl.constexpr,
+    ELEM: tl.constexpr, BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
+    cache = tl.load(pointers_ptr + tl.program_id(1)).to(tl.pointer_type(ELEM))
     leaf = tl.load(leaf_ptr + b)
-    # Node 0 can only sit at depth 0: a leaf <= 0 moves nothing.
-    if leaf > 0:
-        cache = tl.load(pointers_ptr + tl.program_id(1)).to(tl.pointer_type(ELEM))
-        # Path rows run down axis 0 as [BLOCK_J, 1] columns from the start: Triton 3.6
-        # miscompiles 1-D values that feed both 1-D gathers and a [:, None] expansion.
-        j = tl.arange(0, BLOCK_J)[:, None]
-        j_ok = (j <= leaf) & (j < N)
-        word = tl.load(words_ptr + b * stride_wb + leaf * stride_wn + (j // 64) * stride_ww,
-                       mask=j_ok, other=0)
-        depth = tl.load(depths_ptr + b * stride_db + j * stride_dn, mask=j_ok, other=0)
-        moves = j_ok & (((word >> (j % 64)) & 1) != 0) & (depth != j)
-        prefix_len = tl.load(prefix_ptr + b).to(tl.int64)
-        src = prefix_len + j
-        dst = prefix_len + depth
-        table = block_table_ptr + b * stride_tb
-        src_block = tl.load(table + (src // block_size) * stride_tk, mask=moves, other=0).to(tl.int64)
-        dst_block = tl.load(table + (dst // block_size) * stride_tk, mask=moves, other=0).to(tl.int64)
-        offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)[None, :]
-        within_row = (offs // D) * stride_ch + (offs % D) * stride_cd
-        mask = moves & (offs < row_elems)
-        rows = tl.load(cache + src_block * stride_cb + (src % block_size) * stride_ct + within_row,
-                       mask=mask)
-        # Gather everything, then scatter: a destination row may be another move's source.
-        tl.debug_barrier()
-        tl.store(cache + dst_block * stride_cb + (dst % block_size) * stride_ct + within_row,
-                 rows, mask=mask)
+    prefix_len = tl.load(prefix_ptr + b).to(tl.int64)
+    offs = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < row_elems
+    within_row = (offs // D) * stride_ch + (offs % D) * stride_cd
+    table = block_table_ptr + b * stride_tb
+    # Node 0 can only sit at depth 0: the first possible move is node 1. Each
+    # thread copies the same elements on every iteration, so its own program
+    # order keeps a row's read ahead of a later overwrite of that row.
+    for j in range(1, leaf + 1):
+        word = tl.load(words_ptr + b * stride_wb + leaf * stride_wn + (j // 64) * stride_ww)
+        depth = tl.load(depths_ptr + b * stride_db + j * stride_dn)
+        if (((word >> (j % 64)) & 1) != 0) & (depth != j):
+            src = prefix_len + j
+            dst = prefix_len + depth
+            src_block = tl.load(table + (src // block_size) * stride_tk).to(tl.int64)
+            dst_block = tl.load(table + (dst // block_size) * stride_tk).to(tl.int64)
+            row = tl.load(cache + src_block * stride_cb + (src % block_size) * stride_ct + within_row,
+                          mask=mask)
+            tl.store(cache + dst_block * stride_cb + (dst % block_size) * stride_ct + within_row,
+                     row, mask=mask)
 
 
 def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
@@ -149,9 +144,7 @@ def tree_kv_commit(
 
     _, block_size, Hkv, D = first.shape
     row_elems = Hkv * D
-    block_j = max(16, triton.next_power_of_2(meta.max_nodes))
-    # One program holds all path rows of a column slice: keep it near 4096 elements.
-    block = max(16, min(1024, triton.next_power_of_2(row_elems), 4096 // block_j))
+    BLOCK = min(1024, triton.next_power_of_2(row_elems))
     words = meta.ancestor_words
     # One launch per stride pattern (e.g. CPU-style caches store keys and
     # values differently); usually one launch for all layers.
@@ -159,11 +152,10 @@ def tree_kv_commit(
     for cache in caches:
         by_strides.setdefault(cache.stride(), []).append(cache)
     for strides, group in by_strides.items():
-        grid = (B, len(group), triton.cdiv(row_elems, block))
-        _tree_kv_commit_kernel[grid](
+        _tree_kv_commit_kernel[(B, len(group), triton.cdiv(row_elems, BLOCK))](
             _pointer_table(group), block_table, prefix_lens, accepted_leaf, meta.depths, words,
-            meta.max_nodes, block_size, row_elems, D,
+            block_size, row_elems, D,
             *block_table.stride(), *meta.depths.stride(), *words.stride(), *strides,
-            ELEM=_BITS_TYPE[first.element_size()], BLOCK_J=block_j, BLOCK=block,
+            ELEM=_BITS_TYPE[first.element_size()], BLOCK=BLOCK,
             num_warps=4,
         )
