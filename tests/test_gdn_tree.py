@@ -7,12 +7,12 @@ import torch
 from test_tree_metadata import make_batch
 
 from triton_ops.gdn_tree import (
+    fused_recurrent_gdn_tree,
     gdn_tree_commit,
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree import chunk_triton
-from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.naive import l2_normalize
 from triton_ops.tree_metadata import build_tree_metadata
 

@@ -5,11 +5,13 @@ from triton_ops.gdn_tree.chunk import (
     gdn_tree_commit,
     gdn_tree_verify,
 )
+from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.naive import naive_recurrent_gdn_tree
 
 __all__ = [
     "GDNTreeVerifyOutput",
     "gdn_tree_commit",
     "gdn_tree_verify",
+    "fused_recurrent_gdn_tree",
     "naive_recurrent_gdn_tree",
 ]

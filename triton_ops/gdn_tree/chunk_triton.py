@@ -34,6 +34,9 @@ ROW_BLOCK = 16
 # Largest node count handled as one tile; beyond it the row-block kernel runs.
 TILE_MAX_NODES = 64
 K_CHUNK = 64
+# BV = 16 hit an illegal memory access in the tile kernel under Triton 3.6 on an
+# H200 (cause not established); narrower V is padded to 32 columns instead.
+MIN_BLOCK_V = 32
 # Registers hold the [BK, BV] state tile for the whole program: cap its size.
 _STATE_TILE_ELEMS = 8192
 
@@ -45,7 +48,7 @@ def _pow2_at_least_16(n: int) -> int:
 def default_block_v(K: int, V: int) -> int:
     """Value columns per row-block verify program, within the register cap."""
     BK = _pow2_at_least_16(K)
-    return max(16, min(_pow2_at_least_16(V), 64, _STATE_TILE_ELEMS // BK))
+    return max(MIN_BLOCK_V, min(_pow2_at_least_16(V), 64, _STATE_TILE_ELEMS // BK))
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -53,7 +56,7 @@ def default_tile_config(heads: int, V: int) -> tuple[int, int]:
     so that the programs cover the GPU; every program re-solves its head's
     triangular system, which is cheap next to the value-side products."""
     BV = 32 if heads < 128 else 64 if heads < 512 else 128
-    return min(BV, _pow2_at_least_16(V)), 4
+    return max(MIN_BLOCK_V, min(BV, _pow2_at_least_16(V))), 4
 
 
 @triton.jit
@@ -425,7 +428,7 @@ def verify_triton(
     )
     if NP <= TILE_MAX_NODES:
         BV, warps = default_tile_config(B * HV, V)
-        BV = block_v or BV
+        BV = max(MIN_BLOCK_V, block_v or BV)
         _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
             *args,
             GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
@@ -433,7 +436,7 @@ def verify_triton(
             num_warps=num_warps or warps,
         )
     else:
-        BV = block_v or default_block_v(K, V)
+        BV = max(MIN_BLOCK_V, block_v or default_block_v(K, V))
         _verify_rowblock_kernel[(triton.cdiv(V, BV), B * HV)](
             *args,
             GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BV=BV,
