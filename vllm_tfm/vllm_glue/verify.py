@@ -14,7 +14,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 
-from vllm_tfm.drafting.tree import DraftTree, derive_seeds
+from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import (
     VerifyResult,
     verify_greedy,
@@ -40,9 +40,10 @@ def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor) -
     return logits[torch.where(valid, rows, 0)] * valid[..., None]
 
 
-def _request_seeds(sampling_metadata, num_reqs: int, step_counter: int, device) -> torch.Tensor:
-    """One fresh seed per request and step: from the request's own generator
-    when it was given a seed (reproducible), else from the global generator."""
+def _request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
+    """A fresh seed per request and step: drawn from the request's own
+    generator when it has a seed (so its output is reproducible whatever the
+    batch), else from the global generator."""
     seeds = torch.randint(0, 1 << 62, (num_reqs,), dtype=torch.int64)
     for index, generator in sampling_metadata.generators.items():
         if index < num_reqs:
@@ -50,7 +51,7 @@ def _request_seeds(sampling_metadata, num_reqs: int, step_counter: int, device) 
                 0, 1 << 62, (1,), dtype=torch.int64, generator=generator,
                 device=generator.device,
             ).cpu()
-    return derive_seeds(seeds.to(device), step_counter)
+    return seeds.to(device)
 
 
 def _merge(greedy: VerifyResult, sampled: VerifyResult, is_greedy: torch.Tensor) -> VerifyResult:
@@ -104,8 +105,7 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
         )
     if options.verify == "greedy":
         is_greedy = torch.ones_like(is_greedy)
-    runner._tfm_verify_steps = getattr(runner, "_tfm_verify_steps", 0) + 1
-    seeds = _request_seeds(sampling, num_reqs, runner._tfm_verify_steps, raw.device)
+    seeds = _request_seeds(sampling, num_reqs, raw.device)
     mode = "auto" if options.verify == "greedy" else options.verify
     result = verify_trees(tree, node_logits, processed, is_greedy, seeds, mode)
     step.accepted_leaf = result.accepted_leaf
