@@ -1,0 +1,163 @@
+"""Train a DFlash drafter for a frozen target (DESIGN.md section 2).
+
+    python tools/train_dflash.py --out artifacts/trained_tiny/dflash [--steps 1500] \
+        [--target DIR] [--init DIR] [--device auto|cpu|cuda]
+
+Recipe: random anchors p in the generated part of target-generated sequences (see
+tools/training/data.py for why the data are the target's own continuations); block
+[x_p, MASK x 15] at positions p..p+15; the block sees the target's layer outputs at
+positions < p (fc + hidden_norm, K/V prepended in every layer) and its own entries,
+non-causally; entry k predicts x_{p+k} through the frozen target LM head, CE weighted by
+w_k = exp(-(k-1)/7). AdamW, warm-up + cosine.
+
+Defaults use the tiny family (tools/tiny_family.py, built on demand): target, and the
+family's random drafter as the starting point and the source of the config. The output
+directory (config.json + bf16 model.safetensors, vLLM's names) loads with vLLM's
+`dflash` method. A resumable state lives beside it (`<out>.ckpt`); a rerun with the
+same --out continues from it, up to the new --steps. Every --eval-every steps the held-out
+chain tau (greedy, exact on greedy continuations, see tools/training/acceptance.py) and
+held-out loss are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from training import data  # noqa: E402  (training hides fla before transformers loads)
+from training.acceptance import Drafters, greedy_tau  # noqa: E402
+from training.dflash import DFlashDrafter, block_loss, sample_anchors  # noqa: E402
+from training.loop import (  # noqa: E402
+    Checkpoint,
+    default_checkpoint,
+    make_optimizer,
+    setup_device,
+    step_generator,
+)
+from training.target import Target  # noqa: E402
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="drafter directory to write")
+    parser.add_argument("--target", help="target model directory (default: tiny family)")
+    parser.add_argument("--init", help="drafter directory to start from (default: tiny family)")
+    parser.add_argument("--data", help="continuation cache (default: <out>.data.pt)")
+    parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
+    parser.add_argument("--num-seqs", type=int, default=512, help="training sequences")
+    parser.add_argument("--heldout-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--sampled-fraction", type=float, default=0.5)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step")
+    parser.add_argument("--anchors", type=int, default=8, help="blocks per sequence")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
+    parser.add_argument("--save-every", type=int, default=250)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def _family_defaults(args: argparse.Namespace) -> None:
+    if args.target is None or args.init is None:
+        import tiny_family
+
+        family = tiny_family.build_family()
+        args.target = args.target or str(family.target)
+        args.init = args.init or str(family.dflash)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    _family_defaults(args)
+    out = Path(args.out)
+    device = setup_device(args.device, args.threads)
+    target = Target(args.target, device)
+    drafter = DFlashDrafter.load(args.init, target.hidden_size).to(device)
+    layer_ids = target.check_layer_ids(drafter.target_layer_ids)
+    spec = data.ContinuationSpec(
+        num_train=args.num_seqs, num_heldout=args.heldout_seqs, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
+    )
+    block = drafter.block_size
+    if args.new_tokens < block:
+        raise ValueError(f"--new-tokens must be at least the block size {block}")
+    data_path = Path(args.data) if args.data else out.with_name(out.name + ".data.pt")
+    sets = data.load_or_build_continuations(data_path, target, args.target, spec)
+    train, heldout = sets["train"], sets["heldout"]
+    train_aux, _ = target.features(train.tokens, layer_ids)
+    held_aux, held_final = target.features(heldout.tokens, layer_ids)
+    length = train.tokens.shape[1]
+
+    optimizer, scheduler = make_optimizer(
+        drafter.parameters(), args.lr, args.weight_decay, args.warmup, args.steps
+    )
+    checkpoint = Checkpoint(args.checkpoint or default_checkpoint(out))
+    step = checkpoint.restore({"dflash": drafter}, optimizer, scheduler)
+    drafters = Drafters(target, drafter)
+    held_anchors = sample_anchors(heldout.num_sequences, args.anchors, args.prompt_len,
+                                  length - block, step_generator(args.seed, -1))
+
+    def evaluate() -> dict:
+        drafter.eval()
+        with torch.no_grad():
+            loss, correct = block_loss(drafter, held_aux.to(device), heldout.tokens.to(device),
+                                       held_anchors.to(device), target.embed, target.lm_head)
+        tau = greedy_tau(drafters, "chain", drafter.draft_depth, heldout.tokens, held_aux,
+                         held_final, args.prompt_len)
+        drafter.train()
+        return {"step": step, "heldout_loss": loss.item(), "heldout_chain_tau": tau,
+                "heldout_top1_by_k": [round(c, 3) for c in correct.tolist()]}
+
+    history = [evaluate()] if step == 0 else []
+    if history:
+        tqdm.write(json.dumps(history[-1]))
+    started = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=step, desc="train dflash")
+    drafter.train()
+    loss = torch.tensor(float("nan"))
+    while step < args.steps:
+        generator = step_generator(args.seed, step)
+        rows = torch.randint(0, train.num_sequences, (args.batch,), generator=generator)
+        anchors = sample_anchors(args.batch, args.anchors, args.prompt_len, length - block,
+                                 generator)
+        loss, correct = block_loss(drafter, train_aux[rows].to(device),
+                                   train.tokens[rows].to(device), anchors.to(device),
+                                   target.embed, target.lm_head)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1_k1=f"{correct[0].item():.2f}")
+        finished = step == args.steps
+        if finished or (args.eval_every and step % args.eval_every == 0):
+            history.append(evaluate())
+            tqdm.write(json.dumps(history[-1]))
+        if finished or (args.save_every and step % args.save_every == 0):
+            drafter.save(out)
+            checkpoint.save(step, {"dflash": drafter}, optimizer, scheduler)
+    bar.close()
+    summary = {"out": str(out), "step": step, "train_loss": loss.item(),
+               "seconds": time.perf_counter() - started, "history": history}
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

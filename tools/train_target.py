@@ -1,0 +1,149 @@
+"""Train the tiny Qwen3-Next target as a language model of Python's standard-library sources.
+
+    python tools/train_target.py --out artifacts/trained_tiny/target [--steps 3000] \
+        [--batch 64] [--seq-len 256] [--init DIR] [--device auto|cpu|cuda]
+
+Starts from the weights in --init (default: the tiny family's random target, i.e. the
+family's initialisation) and minimises next-token cross-entropy on random token windows
+of the training modules (tools/training/data.py); held-out modules give the eval loss.
+transformers runs the model (PyTorch GDN path; fla hidden), fp32 weights, bf16 autocast
+on CUDA. AdamW, warm-up + cosine. Writes a transformers model directory in bf16 with the
+init's tokenizer files (what tiny_family's target directory holds); resumable state in
+`<out>.ckpt`. On this CPU only smoke runs fit; the real run is meant for one GPU (about
+20 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from training import data  # noqa: E402  (training hides fla before transformers loads)
+from training.loop import (  # noqa: E402
+    Checkpoint,
+    default_checkpoint,
+    make_optimizer,
+    setup_device,
+    step_generator,
+)
+from training.target import load_causal_lm  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="model directory to write")
+    parser.add_argument("--init", help="model directory to start from (default: tiny family)")
+    parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.1)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
+    parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--save-every", type=int, default=500)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def lm_loss(model, ids: torch.Tensor, autocast) -> torch.Tensor:
+    """Mean next-token cross-entropy of [B, S] windows."""
+    with autocast():
+        logits = model(input_ids=ids[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+
+
+def save_model(model, init: Path, out: Path) -> None:
+    """A bf16 copy of `model` in a transformers directory, with the init's tokenizer."""
+    copy_ = copy.deepcopy(model).to(torch.bfloat16)
+    copy_.config.dtype = torch.bfloat16
+    copy_.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (init / name).is_file():
+            shutil.copyfile(init / name, out / name)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if args.init is None:
+        import tiny_family
+
+        args.init = str(tiny_family.build_family().target)
+    init, out = Path(args.init), Path(args.out)
+    device = setup_device(args.device, args.threads)
+    model = load_causal_lm(init, device, torch.float32).train()
+    tokenizer = data.load_tokenizer(init)
+    windows = data.SourceWindows(tokenizer, data.stdlib_sources("train"))
+    held = data.SourceWindows(tokenizer, data.stdlib_sources("heldout")).sample(
+        args.eval_batches * args.batch, args.seq_len + 1, step_generator(args.seed, -1)
+    )
+    if device.type == "cuda":
+        def autocast():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+    else:
+        autocast = nullcontext
+
+    optimizer, scheduler = make_optimizer(
+        model.parameters(), args.lr, args.weight_decay, args.warmup, args.steps
+    )
+    checkpoint = Checkpoint(args.checkpoint or default_checkpoint(out))
+    step = checkpoint.restore({"target": model}, optimizer, scheduler)
+
+    def evaluate() -> dict:
+        model.eval()
+        with torch.no_grad():
+            losses = [lm_loss(model, batch.to(device), autocast).item()
+                      for batch in held.split(args.batch)]
+        model.train()
+        return {"step": step, "heldout_loss": sum(losses) / len(losses)}
+
+    history = [evaluate()] if step == 0 else []
+    if history:
+        tqdm.write(json.dumps(history[-1]))
+    started = time.perf_counter()
+    bar = tqdm(total=args.steps, initial=step, desc="train target")
+    loss = torch.tensor(float("nan"))
+    while step < args.steps:
+        ids = windows.sample(args.batch, args.seq_len + 1, step_generator(args.seed, step))
+        loss = lm_loss(model, ids.to(device), autocast)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+        finished = step == args.steps
+        if finished or (args.eval_every and step % args.eval_every == 0):
+            history.append(evaluate())
+            tqdm.write(json.dumps(history[-1]))
+        if finished or (args.save_every and step % args.save_every == 0):
+            save_model(model, init, out)
+            checkpoint.save(step, {"target": model}, optimizer, scheduler)
+    bar.close()
+    summary = {"out": str(out), "step": step, "train_loss": loss.item(),
+               "seconds": time.perf_counter() - started, "history": history}
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""The target model through transformers: features for training, exact scoring for evaluation.
+
+transformers runs Qwen3-Next's GDN layers through fla whenever fla imports, on any device;
+on a CPU that fails (Triton has no CPU driver) and on a GPU without fla it is not there, so
+`load_causal_lm` hides fla first and transformers takes its PyTorch fallback everywhere.
+
+Layer features follow vLLM's DFlash convention: `target_layer_ids` name decoder layers
+whose OUTPUT (the residual stream after the layer) conditions the drafter; "final" is the
+final-norm hidden state the LM head reads (Weaver's h_v).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+
+def hide_fla() -> None:
+    """Make `import fla` fail so transformers uses its PyTorch GDN; must run before
+    transformers is imported."""
+    if "transformers" in sys.modules and sys.modules.get("fla", 0) is not None:
+        raise RuntimeError(
+            "transformers was imported before fla was hidden: its GDN layers would call fla's "
+            "Triton kernels; import tools/training before transformers"
+        )
+    sys.modules["fla"] = None
+
+
+def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
+                   dtype: torch.dtype = torch.float32):
+    """A transformers causal LM from a local directory (fla hidden), on `device` in `dtype`."""
+    hide_fla()
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"target path {str(path)!r} is not a model directory (no config.json)")
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
+    return model.to(device)
+
+
+@dataclass
+class TargetOutput:
+    """One target forward over [B, S] tokens.
+
+    final:  [B, S, d] final-norm hidden states.
+    logits: [B, S, V] float32 LM-head logits.
+    aux:    [B, S, n * d] outputs of the requested layers, concatenated in request
+            order; None when no layer was requested.
+    """
+
+    final: torch.Tensor
+    logits: torch.Tensor
+    aux: torch.Tensor | None
+
+
+class Target:
+    """A frozen target (eval mode, no gradients).
+
+    Attributes:
+        model: the transformers model.
+        embed: [V, d_embed] input embedding; lm_head: [V, d] output projection.
+    """
+
+    def __init__(self, path: str | Path, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        self.path = Path(path)
+        self.model = load_causal_lm(path, device, dtype).eval().requires_grad_(False)
+        self.config = self.model.config
+        self.embed = self.model.get_input_embeddings().weight
+        self.lm_head = self.model.get_output_embeddings().weight
+        self._wanted: tuple[int, ...] = ()
+        self._captured: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.model.model.layers):
+            layer.register_forward_hook(self._capture(index))
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.lm_head.shape[1]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    def _capture(self, index: int):
+        def hook(module, args, output):
+            if index in self._wanted:
+                self._captured[index] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    def check_layer_ids(self, layer_ids: Sequence[int]) -> tuple[int, ...]:
+        """`layer_ids` as a tuple; each must name a layer before the last (the last
+        layer's output is the final stream, which DFlash drafters never read)."""
+        ids = tuple(int(i) for i in layer_ids)
+        bad = [i for i in ids if not 0 <= i < self.num_layers - 1]
+        if bad or not ids:
+            raise ValueError(
+                f"target_layer_ids must be a non-empty list in [0, {self.num_layers - 1}), "
+                f"got {list(layer_ids)}"
+            )
+        return ids
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, layer_ids: Sequence[int] = (), cache=None,
+                start: int = 0) -> TargetOutput:
+        """Run [B, S] token ids at positions start..start+S-1, continuing `cache` (a
+        transformers cache, updated in place) when given."""
+        wanted = self.check_layer_ids(layer_ids) if layer_ids else ()
+        positions = torch.arange(start, start + ids.shape[1], device=self.device)
+        self._wanted, self._captured = wanted, {}
+        try:
+            out = self.model.model(
+                input_ids=ids.to(self.device),
+                position_ids=positions[None].expand(ids.shape[0], -1),
+                past_key_values=cache,
+                use_cache=cache is not None,
+            )
+        finally:
+            captured, self._wanted, self._captured = self._captured, (), {}
+        final = out.last_hidden_state
+        aux = torch.cat([captured[i] for i in wanted], -1) if wanted else None
+        return TargetOutput(final=final, logits=self.logits(final), aux=aux)
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """float32 LM-head logits of final-norm states [..., d] -> [..., V]."""
+        return (final @ self.lm_head.T).float()
+
+    @torch.no_grad()
+    def features(self, tokens: torch.Tensor, layer_ids: Sequence[int], batch_size: int = 16,
+                 dtype: torch.dtype = torch.bfloat16, desc: str = "target features"):
+        """Layer outputs and final states of every position of `tokens` ([N, T]).
+
+        Returns (aux [N, T, n * d], final [N, T, d]) on the CPU in `dtype` (bf16 by
+        default: vLLM hands the drafter bf16 states too, and it halves the memory).
+        """
+        aux, final = [], []
+        for start in tqdm(range(0, tokens.shape[0], batch_size), desc=desc, leave=False):
+            out = self.forward(tokens[start : start + batch_size], layer_ids)
+            aux.append(out.aux.to("cpu", dtype))
+            final.append(out.final.to("cpu", dtype))
+        return torch.cat(aux), torch.cat(final)
+
+    def session(self, layer_ids: Sequence[int] = ()) -> DecodeSession:
+        """An empty decoding session (fresh cache) whose outputs carry `layer_ids`."""
+        from transformers import DynamicCache
+
+        return DecodeSession(self, DynamicCache(config=self.config), layer_ids)
+
+
+class DecodeSession:
+    """Incremental decoding of B sequences of equal length over one transformers cache.
+
+    Attributes:
+        length: tokens processed so far (positions 0..length-1).
+    """
+
+    def __init__(self, target: Target, cache, layer_ids: Sequence[int]):
+        self.target = target
+        self.cache = cache
+        self.layer_ids = tuple(layer_ids)
+        self.length = 0
+
+    def extend(self, ids: torch.Tensor) -> TargetOutput:
+        """Append [B, k] tokens (k >= 1) to every sequence; returns their outputs."""
+        out = self.target.forward(ids, self.layer_ids, self.cache, self.length)
+        self.length += ids.shape[1]
+        return out
+
+    def score_paths(self, paths: torch.Tensor) -> TargetOutput:
+        """Outputs of [L, S] continuations of sequence 0, each run as an ordinary causal
+        sequence from a copy of this session's state (the session is unchanged).
+
+        Output s of row l depends on paths[l, :s+1] only, so rows of different lengths
+        can be right-padded with any token.
+        """
+        cache = copy.deepcopy(self.cache)
+        # Beam search's reorder: row l of the copy starts as sequence 0.
+        cache.reorder_cache(torch.zeros(paths.shape[0], dtype=torch.int64,
+                                        device=self.target.device))
+        return self.target.forward(paths, self.layer_ids, cache, self.length)
