@@ -235,3 +235,72 @@ def test_plugin_registration_is_idempotent_and_lists_its_patches():
         for part in patch.attribute.split("."):
             owner = getattr(owner, part)
         assert hasattr(owner, "__vllm_tfm_original__"), f"{patch.attribute} is not patched"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    import json
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+def test_openai_server_answers_with_dflash_tfm(family):
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(family.target), "--dtype", "bfloat16", "--enforce-eager",
+        "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
+        "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
+        "--speculative-config", json.dumps(tfm_config(family, budget=16)),
+    ]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, "server did not start in 240 s"
+                time.sleep(1)
+        completion = _post(f"{base}/v1/completions", {
+            "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 12,
+            "temperature": 0, "return_token_ids": True,
+        })
+        choice = completion["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert len(choice["token_ids"]) == 12
+        chat = _post(f"{base}/v1/chat/completions", {
+            "model": str(family.target), "max_tokens": 8,
+            "messages": [{"role": "user", "content": "Write a function."}],
+        })
+        assert chat["choices"][0]["message"]["content"]
+        assert chat["usage"]["completion_tokens"] == 8
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

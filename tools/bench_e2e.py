@@ -1,0 +1,130 @@
+"""End-to-end throughput in vLLM: no speculation vs vLLM's dflash vs dflash_tfm.
+
+Runs each configuration in one engine after another (same process), on the
+same prompts, and prints tokens/s and the mean accepted length tau (tokens
+per verify step, bonus included, from vLLM's spec-decode counters).
+
+    python tools/bench_e2e.py                       # tiny family, CPU
+    python tools/bench_e2e.py --family DIR --budgets 16 64 --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+ENGINE_KWARGS = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    enable_prefix_caching=False,
+    kv_cache_memory_bytes=256 << 20,
+    max_model_len=1024,
+    seed=0,
+    disable_log_stats=False,
+)
+
+
+def configurations(family, budgets: list[int], trees: list[str]) -> list[tuple[str, dict | None]]:
+    """(label, speculative_config) pairs, baselines first."""
+    configs: list[tuple[str, dict | None]] = [
+        ("no speculation", None),
+        ("vLLM dflash (chain, 15)", {"method": "dflash", "model": str(family.dflash),
+                                     "num_speculative_tokens": 15}),
+    ]
+    for tree in trees:
+        for budget in budgets:
+            config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
+                      "num_speculative_tokens": budget}
+            if tree == "weaver":
+                config["weaver"] = str(family.weaver)
+            configs.append((f"dflash_tfm {tree} B={budget}", config))
+    return configs
+
+
+def run_config(target: Path, speculative_config: dict | None, prompts: list[str],
+               max_tokens: int, temperature: float = 0.0, max_num_seqs: int = 8,
+               margins: bool = False) -> dict:
+    """Generate ``max_tokens`` per prompt; returns tokens, tokens/s and tau, and
+    with ``margins`` each position's top-2 logprob margin (``margins`` key)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(target), speculative_config=speculative_config,
+              max_num_seqs=max_num_seqs, **ENGINE_KWARGS)
+    params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
+                            max_tokens=max_tokens, ignore_eos=True,
+                            logprobs=2 if margins else None)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    after = _spec_counters(llm)
+    del llm
+    gc.collect()
+    tokens = [list(output.outputs[0].token_ids) for output in outputs]
+    drafts = after[0] - before[0]
+    accepted = after[1] - before[1]
+    result = {
+        "tokens": tokens,
+        "tokens_per_s": sum(map(len, tokens)) / seconds,
+        "tau": 1 + accepted / drafts if drafts else 1.0,
+    }
+    if margins:
+        result["margins"] = [
+            [_top2_margin(position) for position in output.outputs[0].logprobs]
+            for output in outputs
+        ]
+    return result
+
+
+def _top2_margin(position: dict) -> float:
+    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
+    return best - second
+
+
+def _spec_counters(llm) -> tuple[int, int]:
+    values = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
+    return (int(values.get("vllm:spec_decode_num_drafts", 0)),
+            int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tiny_family import PROMPTS, build_family, load_family
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--family", type=Path, default=None,
+                        help="model family directory (default: build the tiny family)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[7, 33, 64])
+    parser.add_argument("--trees", nargs="+", default=["weaver", "ddtree", "chain"])
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    family = load_family(args.family) if args.family else build_family()
+    prompts = list(PROMPTS)
+    rows = []
+    for label, config in configurations(family, args.budgets, args.trees):
+        result = run_config(family.target, config, prompts, args.max_tokens, args.temperature)
+        rows.append({"config": label, "tokens_per_s": result["tokens_per_s"],
+                     "tau": result["tau"]})
+        print(f"{label:32s} {result['tokens_per_s']:9.1f} tok/s   tau {result['tau']:.2f}",
+              flush=True)
+    base = rows[0]["tokens_per_s"]
+    print("\n| configuration | tokens/s | speed-up | tau |\n|---|---|---|---|")
+    for row in rows:
+        print(f"| {row['config']} | {row['tokens_per_s']:.1f} | "
+              f"{row['tokens_per_s'] / base:.2f}x | {row['tau']:.2f} |")
+    if args.json_out:
+        args.json_out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
