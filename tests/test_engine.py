@@ -224,13 +224,14 @@ def test_incompatible_engine_settings_are_rejected(family, setting, message):
 
 
 def test_plugin_registration_is_idempotent_and_lists_its_patches():
-    from vllm_tfm.vllm_glue import PATCHES, register
+    from vllm_tfm.vllm_glue import PATCHES, applicable_patches, register
 
     register()
     register()
     assert len({(patch.module, patch.attribute) for patch in PATCHES}) == len(PATCHES)
     assert all(patch.why for patch in PATCHES)
-    for patch in PATCHES:
+    assert not any(patch.cpu_only and patch.cuda_only for patch in PATCHES)
+    for patch in applicable_patches():
         owner = importlib.import_module(patch.module)
         for part in patch.attribute.split("."):
             owner = getattr(owner, part)

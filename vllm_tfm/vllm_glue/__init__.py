@@ -4,7 +4,12 @@
 vLLM process (front end, engine core, workers) and is idempotent.
 """
 
-from vllm_tfm.vllm_glue.patches import PATCHES, apply_patches, check_vllm_version
+from vllm_tfm.vllm_glue.patches import (
+    PATCHES,
+    applicable_patches,
+    apply_patches,
+    check_vllm_version,
+)
 
 
 def register() -> None:
@@ -12,4 +17,4 @@ def register() -> None:
     apply_patches()
 
 
-__all__ = ["PATCHES", "apply_patches", "check_vllm_version", "register"]
+__all__ = ["PATCHES", "applicable_patches", "apply_patches", "check_vllm_version", "register"]

@@ -45,6 +45,14 @@ def cpu_key_value_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor,
     return keys, values
 
 
+def _sliding_window(setting) -> int | None:
+    """The window in tokens, or None: CPU_ATTN keeps an int (-1 or None for
+    none), TRITON_ATTN a (left, right) pair with left = window - 1 (-1: none)."""
+    if isinstance(setting, tuple):
+        return setting[0] + 1 if setting[0] >= 0 else None
+    return setting if setting not in (-1, None) else None
+
+
 def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> None:
     """Overwrite ``output`` rows of the step's tree nodes with tree attention."""
     from triton_ops.tree_attention import tree_attention
@@ -56,7 +64,7 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
     q = query.new_zeros(rows.shape[0], rows.shape[1], num_heads, query.shape[2])
     q[valid] = query[rows[valid]]
     key_cache, value_cache = kv_views
-    window = impl.sliding_window if impl.sliding_window not in (-1, None) else None
+    window = _sliding_window(impl.sliding_window)
     out = tree_attention(
         q,
         key_cache,
@@ -71,7 +79,13 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
     output[rows[valid]] = out[valid].to(output.dtype)
 
 
-def wrap_cpu_attention_forward(original):
+def wrap_tree_attention_forward(original, key_value_views):
+    """An ``AttentionImpl.forward`` whose tree rows are recomputed with tree attention.
+
+    ``key_value_views(impl, layer, kv_cache)`` returns the backend's cache as
+    two [blocks, block_size, kv_heads, D] views (keys, values).
+    """
+
     @functools.wraps(original)
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, *args, **kwargs):
         step = tree_step.active()
@@ -91,9 +105,15 @@ def wrap_cpu_attention_forward(original):
         num_tokens = attn_metadata.num_actual_tokens
         out_rows = output[:num_tokens].view(num_tokens, query.shape[1], query.shape[2])
         tree_attention_rows(
-            step, self, query[:num_tokens], cpu_key_value_views(kv_cache, layer.isa),
+            step, self, query[:num_tokens], key_value_views(self, layer, kv_cache),
             attn_metadata.block_table, out_rows,
         )
         return output
 
     return forward
+
+
+def wrap_cpu_attention_forward(original):
+    return wrap_tree_attention_forward(
+        original, lambda impl, layer, kv_cache: cpu_key_value_views(kv_cache, layer.isa)
+    )

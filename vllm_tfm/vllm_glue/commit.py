@@ -11,6 +11,24 @@ import torch
 
 from vllm_tfm.vllm_glue.attention import cpu_key_value_views
 
+# Attention backends whose paged caches the tree kernels read.
+TREE_ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON_ATTN")
+
+
+def key_value_views(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer's cache as [blocks, block_size, kv_heads, D] (keys, values)."""
+    backend = layer.attn_backend.get_name()
+    if backend == "CPU_ATTN":
+        return cpu_key_value_views(layer.kv_cache, layer.isa)
+    if backend == "TRITON_ATTN":
+        from vllm_tfm.vllm_glue.cuda_attention import triton_key_value_views
+
+        return triton_key_value_views(layer.kv_cache, layer.impl.head_size)
+    raise RuntimeError(
+        f"dflash_tfm supports the attention backends {list(TREE_ATTENTION_BACKENDS)}; "
+        f"layer {layer.layer_name!r} uses {backend}"
+    )
+
 
 def _attention_layers_by_group(runner) -> list[tuple[int, list[str]]]:
     """Target full-attention layers grouped by KV-cache group (cached)."""
@@ -43,8 +61,7 @@ def commit_step(runner, step) -> None:
     if step.tree_requests().numel() > 0:
         context = runner.compilation_config.static_forward_context
         for gid, names in _attention_layers_by_group(runner):
-            views = [cpu_key_value_views(context[name].kv_cache, context[name].isa)
-                     for name in names]
+            views = [key_value_views(context[name]) for name in names]
             block_table = runner.input_batch.block_table[gid].get_device_tensor(num_reqs)
             tree_kv_commit(
                 [keys for keys, _ in views], [values for _, values in views],
@@ -60,4 +77,10 @@ def commit_step(runner, step) -> None:
     # Slot 0 and the first conv columns now hold the committed state: tell
     # vLLM's readers so (its convention resumes from slot num_accepted - 1).
     runner.num_accepted_tokens.gpu[:num_reqs] = 1
-    runner.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs] = 1
+    # vLLM's own device-to-host copy of the counts may still be in flight (CUDA):
+    # queue ours behind it on the same stream, and its event behind ours.
+    runner.input_batch.num_accepted_tokens_cpu_tensor[:num_reqs].copy_(
+        runner.num_accepted_tokens.gpu[:num_reqs], non_blocking=True
+    )
+    if runner.num_accepted_tokens_event is not None:
+        runner.num_accepted_tokens_event.record()

@@ -22,7 +22,8 @@ class Patch:
     attribute: str  # "function" or "Class.method"
     wrapper: str  # "vllm_tfm.vllm_glue.<module>:<factory>" taking the original
     why: str
-    cpu_only: bool = False
+    cpu_only: bool = False  # only where vLLM runs on CPU
+    cuda_only: bool = False  # only where vLLM runs on CUDA
 
     def apply(self) -> None:
         owner: Any = importlib.import_module(self.module)
@@ -43,6 +44,7 @@ class Patch:
 
 _GLUE = "vllm_tfm.vllm_glue"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
+_QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -102,6 +104,27 @@ PATCHES: tuple[Patch, ...] = (
         "per token (breaks its own spec decode at temperature > 0)",
         cpu_only=True,
     ),
+    Patch(
+        "vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl.forward",
+        f"{_GLUE}.cuda_attention:wrap_triton_attention_forward",
+        "full-attention layers on CUDA (TRITON_ATTN): tree rows see the prefix and "
+        "their ancestors only",
+        cuda_only=True,
+    ),
+    Patch(
+        _QWEN_GDN, "QwenGatedDeltaNetAttention._forward_core",
+        f"{_GLUE}.cuda_gdn:wrap_gdn_forward_core",
+        "GDN layers on CUDA: tree conv + ancestor-masked GDN verify for the spec rows, "
+        "vLLM's own kernels for prompt rows",
+        cuda_only=True,
+    ),
+    Patch(
+        _QWEN_GDN, "QwenGatedDeltaNetAttention.__init__",
+        f"{_GLUE}.cuda_gdn:wrap_gdn_init",
+        "keep GDN layers off the fused CUDA spec-decode kernel "
+        "(VLLM_GDN_DECODE_KERNEL=cuda), which would bypass the tree path",
+        cuda_only=True,
+    ),
 )
 
 
@@ -121,11 +144,18 @@ def check_vllm_version() -> None:
         )
 
 
-def apply_patches() -> None:
+def applicable_patches() -> tuple[Patch, ...]:
+    """The patches for the platform vLLM runs on here."""
     from vllm.platforms import current_platform
 
     on_cpu = current_platform.is_cpu()
-    for patch in PATCHES:
-        if patch.cpu_only and not on_cpu:
-            continue
+    on_cuda = current_platform.is_cuda()
+    return tuple(
+        patch for patch in PATCHES
+        if not (patch.cpu_only and not on_cpu) and not (patch.cuda_only and not on_cuda)
+    )
+
+
+def apply_patches() -> None:
+    for patch in applicable_patches():
         patch.apply()
