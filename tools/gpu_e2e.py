@@ -26,6 +26,11 @@ with the tiny family's initialisation (tools/tiny_family.py).
   spec-decode counters) and writes OUT/gpu_e2e.md and OUT/gpu_e2e.json after every
   configuration (a time-out keeps what finished).
 
+`--staggered` admits the prompts 4 at a time with different output lengths, so requests
+finish at different steps and new prompts are prefilled beside running trees: it requires
+the GDN layers' mixed path (prompt rows through vLLM's kernels, tree rows through ours) to
+have run. `--configs` keeps the configurations whose label contains one of its words.
+
 Exit status 1 when a check failed. Configurations are run in priority order and those that
 would start after `--deadline-s` are listed as skipped.
 """
@@ -141,6 +146,7 @@ def build_models(root: Path) -> None:
 
 
 LAUNCHES: collections.Counter = collections.Counter()
+MIXED_GDN = "GDN calls with prompt and tree rows"
 
 
 def count_project_kernel_launches() -> None:
@@ -159,8 +165,23 @@ def count_project_kernel_launches() -> None:
     JITFunction.run = run
 
 
-def missing_kernels(launches: dict, tree: str) -> list[str]:
+def count_mixed_gdn_calls() -> None:
+    """Count GDN layer calls that split a batch into prompt rows and tree rows."""
+    from vllm_tfm.vllm_glue import cuda_gdn
+
+    original = cuda_gdn._forward_prompt_rows
+
+    def forward_prompt_rows(*args, **kwargs):
+        LAUNCHES[MIXED_GDN] += 1
+        return original(*args, **kwargs)
+
+    cuda_gdn._forward_prompt_rows = forward_prompt_rows
+
+
+def missing_kernels(launches: dict, tree: str, staggered: bool) -> list[str]:
     required = dict(TREE_KERNELS)
+    if staggered:
+        required[MIXED_GDN] = "mixed prompt + tree GDN batches"
     if tree == "weaver":
         required.update(WEAVER_KERNELS)
     missing = [label for name, label in required.items() if launches.get(name, 0) == 0]
@@ -237,26 +258,29 @@ def _top2_margin(position: dict) -> float:
 
 
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
-               max_tokens: int, with_margins: bool) -> dict:
+               max_tokens: list[int], with_margins: bool, max_num_seqs: int) -> dict:
+    """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
+    runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     import torch
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
-              **ENGINE_KWARGS)
+              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs})
     result: dict = {"start_s": time.perf_counter() - started}
     try:
         warm = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         result["warmup_s"] = time.perf_counter() - warm
-        greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
         result["greedy"] = _timed(llm, prompts, greedy)
         if with_margins:
-            logprobs = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                      logprobs=2)
+            logprobs = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                       logprobs=2) for n in max_tokens]
             result["greedy_logprobs"] = _timed(llm, prompts, logprobs)
-        sampled = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=max_tokens,
-                                  ignore_eos=True) for i in range(len(prompts))]
+        sampled = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=n,
+                                  ignore_eos=True) for i, n in enumerate(max_tokens)]
         result["sampled"] = _timed(llm, prompts, sampled)
     finally:
         del llm
@@ -312,7 +336,8 @@ def _equality(base: dict, spec: dict) -> tuple[str, bool]:
     return f"{text} [{matched}/{total} tok]", ok
 
 
-def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float) -> int:
+def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
+            config_words: list[str] | None) -> int:
     import torch
     import triton
 
@@ -321,17 +346,30 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float) -> int:
 
     register()  # the plugin's entry point is not installed in the harness: register here
     count_project_kernel_launches()
+    count_mixed_gdn_calls()
+    prompts = list(tiny_family.PROMPTS)
+    if staggered:
+        # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests
+        # finish at different steps and the next prompt joins a batch of trees.
+        max_num_seqs = 4
+        lengths = [max(8, max_tokens - 5 * i) for i in range(len(prompts))]
+        batching = (f"{len(prompts)} prompts, at most {max_num_seqs} running, "
+                    f"{min(lengths)}..{max(lengths)} new tokens each")
+    else:
+        max_num_seqs = len(prompts)
+        lengths = [max_tokens] * len(prompts)
+        batching = f"{len(prompts)} prompts in one batch, {max_tokens} new tokens each"
     header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: vLLM {vllm.__version__}, "
-              f"torch {torch.__version__}, triton {triton.__version__}; "
-              f"{len(tiny_family.PROMPTS)} prompts in one batch, {max_tokens} new tokens each; "
+              f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
               f"tau = mean accepted length incl. bonus (vLLM spec-decode counters)")
     print(header, flush=True)
-    prompts = list(tiny_family.PROMPTS)
     started = time.perf_counter()
     rows: list[dict] = []
     base = None
     failed = False
     for label, tree, config in configurations(models):
+        if config_words and config is not None and not any(w in label for w in config_words):
+            continue
         elapsed = time.perf_counter() - started
         if elapsed > deadline_s:
             rows.append({"config": label, "skipped": f"deadline, {elapsed:.0f} s elapsed"})
@@ -340,7 +378,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float) -> int:
         print(f"=== {label} (t={elapsed:.0f} s)", flush=True)
         before = collections.Counter(LAUNCHES)
         try:
-            result = run_config(models, config, prompts, max_tokens, with_margins=config is None)
+            result = run_config(models, config, prompts, lengths, with_margins=config is None,
+                                max_num_seqs=max_num_seqs)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})
@@ -358,7 +397,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float) -> int:
             row["equality"], ok = _equality(base, result["greedy"])
             failed |= not ok
         if tree is not None:
-            missing = missing_kernels(launches, tree)
+            missing = missing_kernels(launches, tree, staggered)
             row["kernels"] = "all ran" if not missing else "MISSING " + ", ".join(missing)
             failed |= bool(missing)
         rows.append(row)
@@ -384,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-tokens", type=int, default=48)
     run.add_argument("--deadline-s", type=float, default=330.0,
                      help="start no configuration after this many seconds")
+    run.add_argument("--staggered", action="store_true",
+                     help="4 requests at a time, different lengths (mixed prompt + tree batches)")
+    run.add_argument("--configs", nargs="+", default=None,
+                     help="keep configurations whose label contains one of these words "
+                          "(no speculation always runs: it is the reference)")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
@@ -395,7 +439,8 @@ def main(argv: list[str] | None = None) -> int:
                        "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
     args.out.mkdir(parents=True, exist_ok=True)
-    return run_all(args.models, args.out, args.max_tokens, args.deadline_s)
+    return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
+                   args.configs)
 
 
 if __name__ == "__main__":
