@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from vllm_tfm.options import METHOD, TfmOptions, split_speculative_config
 
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
+# The one GPU attention backend whose forward the tree path wraps.
+CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 
 
 def tfm_options(vllm_config) -> TfmOptions | None:
@@ -37,7 +40,13 @@ def wrap_create_engine_config(original):
             return original(self, *args, **kwargs)
         options, vllm_spec = split_speculative_config(user_spec, _speculative_fields())
         _check_engine_args(self)
-        saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config)
+        saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
+                 self.attention_backend)
+        if not _on_cpu():
+            # The tree path patches model runner V1 and the TRITON_ATTN backend.
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            self.attention_backend = self.attention_backend or CUDA_ATTENTION_BACKEND
+            vllm_spec.setdefault("attention_backend", CUDA_ATTENTION_BACKEND)
         self.speculative_config = vllm_spec
         # GDN states advance along the accepted path only, in place: prefix
         # caching's state checkpoints ("align" mode) and async scheduling's
@@ -52,7 +61,8 @@ def wrap_create_engine_config(original):
             config = original(self, *args, **kwargs)
         finally:
             self.speculative_config = user_spec
-            self.enable_prefix_caching, self.async_scheduling, self.additional_config = saved
+            (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
+             self.attention_backend) = saved
         check_against_target(config, options)
         return config
 
@@ -69,6 +79,26 @@ def _check_engine_args(engine_args) -> None:
         raise ValueError(
             f"async_scheduling must be False with speculative method '{METHOD}'"
         )
+    if _on_cpu():
+        return
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+        raise ValueError(
+            f"VLLM_USE_V2_MODEL_RUNNER must be 0 with speculative method '{METHOD}' "
+            "(it patches model runner V1)"
+        )
+    chosen = engine_args.attention_backend or engine_args.attention_config.backend
+    name = getattr(chosen, "name", chosen)
+    if name not in (None, CUDA_ATTENTION_BACKEND):
+        raise ValueError(
+            f"attention_backend must be {CUDA_ATTENTION_BACKEND!r} (or unset) with speculative "
+            f"method '{METHOD}' on GPUs, got {name!r}"
+        )
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def check_against_target(config, options: TfmOptions) -> None:
