@@ -369,7 +369,28 @@ def bench_gdn(args) -> list[str]:
     return lines + timing + precision + sweep
 
 
-FAMILIES = {"gdn": bench_gdn}
+def bench_conv(args) -> list[str]:
+    """Tree conv1d and its commit (tables printed by tools/bench_tree_ops.py)."""
+    import bench_tree_ops
+
+    bench_tree_ops.check_conv()
+    bench_tree_ops.bench_conv(bench_tree_ops.copy_bandwidth())
+    return []
+
+
+def bench_attention(args) -> list[str]:
+    """Tree attention and the KV commit (tables printed by tools/bench_tree_ops.py)."""
+    import bench_tree_ops
+
+    bandwidth = bench_tree_ops.copy_bandwidth()
+    bench_tree_ops.check_attention()
+    bench_tree_ops.bench_kv_commit(bandwidth)
+    bench_tree_ops.bench_attention(bandwidth, bench_tree_ops.matmul_rate(),
+                                   with_sdpa=not args.skip_baselines)
+    return []
+
+
+FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention}
 
 
 def main() -> int:
@@ -377,7 +398,7 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--skip-baselines", action="store_true", help="GDN: skip the recurrent and fla rows")
+    parser.add_argument("--skip-baselines", action="store_true", help="skip the baselines (GDN: recurrent and fla rows; attention: SDPA)")
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new timings after this")
     args = parser.parse_args()
     only = [name for name in args.only.split(",") if name]
