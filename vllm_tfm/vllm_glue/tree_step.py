@@ -59,10 +59,6 @@ class TreeStep:
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
 
     @property
-    def num_nodes(self) -> torch.Tensor:
-        return self.meta.num_nodes
-
-    @property
     def only_tree_rows(self) -> bool:
         """Every scheduled token is a tree node (no prompt chunk in the batch)."""
         return bool((self.num_scheduled == self.meta.num_nodes.to(self.num_scheduled.device)).all())
