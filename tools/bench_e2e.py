@@ -31,19 +31,20 @@ ENGINE_KWARGS = dict(
 )
 
 
-def configurations(family, budgets: list[int], trees: list[str]) -> list[tuple[str, dict | None]]:
+def configurations(drafter: Path, weaver: Path, budgets: list[int],
+                   trees: list[str]) -> list[tuple[str, dict | None]]:
     """(label, speculative_config) pairs, baselines first."""
     configs: list[tuple[str, dict | None]] = [
         ("no speculation", None),
-        ("vLLM dflash (chain, 15)", {"method": "dflash", "model": str(family.dflash),
+        ("vLLM dflash (chain, 15)", {"method": "dflash", "model": str(drafter),
                                      "num_speculative_tokens": 15}),
     ]
     for tree in trees:
         for budget in budgets:
-            config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
+            config = {"method": "dflash_tfm", "model": str(drafter), "tree": tree,
                       "num_speculative_tokens": budget}
             if tree == "weaver":
-                config["weaver"] = str(family.weaver)
+                config["weaver"] = str(weaver)
             configs.append((f"dflash_tfm {tree} B={budget}", config))
     return configs
 
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", type=Path, default=None,
                         help="model family directory (default: build the tiny family)")
+    parser.add_argument("--dflash", type=Path, default=None,
+                        help="DFlash drafter directory (default: the family's)")
+    parser.add_argument("--weaver", type=Path, default=None,
+                        help="Weaver checkpoint (default: the family's)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[7, 33, 64])
     parser.add_argument("--trees", nargs="+", default=["weaver", "ddtree", "chain"])
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -111,7 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     family = load_family(args.family) if args.family else build_family()
     prompts = list(PROMPTS)
     rows = []
-    for label, config in configurations(family, args.budgets, args.trees):
+    drafter = args.dflash or family.dflash
+    weaver = args.weaver or family.weaver
+    for label, config in configurations(drafter, weaver, args.budgets, args.trees):
         result = run_config(family.target, config, prompts, args.max_tokens, args.temperature)
         rows.append({"config": label, "tokens_per_s": result["tokens_per_s"],
                      "tau": result["tau"]})
