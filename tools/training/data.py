@@ -170,7 +170,7 @@ def continue_prompts(
     new_tokens: int,
     sampled: torch.Tensor,
     generator: torch.Generator,
-    batch_size: int = 64,
+    batch_size: int = 128,
     desc: str = "generate",
 ) -> torch.Tensor:
     """Continue `prompts` ([N, L] int64) by `new_tokens` target tokens each.
