@@ -13,6 +13,7 @@ import gc
 import importlib
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +79,22 @@ def test_greedy_equals_no_speculation(family, baseline, tree, budget):
                            max_tokens=32)
     assert_lossless(baseline, result)
     assert result["num_drafts"] > 0
+
+
+TRAINED = Path(__file__).resolve().parents[1] / "models" / "tiny_trained"
+
+
+@pytest.mark.parametrize("tree, minimum_tau", [("weaver", 3.0), ("ddtree", 2.5)])
+def test_trained_drafters_accept_long_paths_losslessly(family, baseline, tree, minimum_tau):
+    """Trained drafters accept several tokens per step: deep accepted paths are
+    committed (KV moves, GDN / conv state along long paths) and output stays lossless."""
+    config = tfm_config(family, tree, 64, model=str(TRAINED / "dflash"))
+    if tree == "weaver":
+        config["weaver"] = str(TRAINED / "weaver.pth")
+    result = engine_greedy(family.target, config, PROMPTS, max_tokens=32)
+    assert_lossless(baseline, result)
+    tau = 1 + result["num_accepted"] / result["num_drafts"]
+    assert tau >= minimum_tau, f"mean accepted length {tau:.2f}"
 
 
 def _chi_square_p_value(first: Counter, second: Counter) -> float:
