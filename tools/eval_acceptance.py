@@ -41,6 +41,7 @@ from tqdm import tqdm  # noqa: E402
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver  # noqa: E402
 
 REFERENCE_BUDGET = 64
+COLORS = {"chain": "tab:gray", "ddtree": "tab:blue", "tfm": "tab:orange"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -140,15 +141,16 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
             if not mine:
                 continue
             if method == "chain":
-                left.axhline(mine[0]["tau"], color="gray", linestyle="--",
+                left.axhline(mine[0]["tau"], color=COLORS[method], linestyle="--",
                              label=f"chain ({mine[0]['budget']} nodes)")
             else:
                 left.plot([r["budget"] for r in mine], [r["tau"] for r in mine], marker="o",
+                          color=COLORS[method],
                           label="DDTree" if method == "ddtree" else "DFlash-TfM")
             shown = [r for r in mine if method == "chain" or r["budget"] == reference]
             for r in shown:
                 depths = range(1, len(r["accept_ge_depth"]) + 1)
-                right.plot(depths, r["accept_ge_depth"], marker=".",
+                right.plot(depths, r["accept_ge_depth"], marker=".", color=COLORS[method],
                            label=f"{method} B={r['budget']}")
         left.set_xscale("log", base=2)
         left.set(title=f"T={temperature:g}: mean accepted length", xlabel="budget B",
