@@ -12,6 +12,7 @@ final-norm hidden state the LM head reads (Weaver's h_v).
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,15 +22,24 @@ import torch
 from tqdm import tqdm
 
 
+# transformers binds each GDN layer's kernels (fla or its PyTorch fallback) when
+# these modules are imported: fla must be hidden before, not merely before
+# `import transformers` (vLLM imports transformers without them).
+GDN_MODELING_MODULES = (
+    "transformers.models.qwen3_next.modeling_qwen3_next",
+    "transformers.models.qwen3_5.modeling_qwen3_5",
+)
+
+
 def hide_fla() -> None:
-    """Make `import fla` fail so transformers uses its PyTorch GDN; must run before
-    transformers is imported."""
-    if "transformers" in sys.modules and sys.modules.get("fla", 0) is not None:
-        raise RuntimeError(
-            "transformers was imported before fla was hidden: its GDN layers would call fla's "
-            "Triton kernels; import tools/training before transformers"
-        )
+    """Make `import fla` fail so transformers uses its PyTorch GDN. GDN modeling
+    modules already imported (bound to fla) are re-imported to rebind them."""
+    if sys.modules.get("fla", 0) is None:
+        return
     sys.modules["fla"] = None
+    for name in GDN_MODELING_MODULES:
+        if name in sys.modules:
+            importlib.reload(sys.modules[name])
 
 
 def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
