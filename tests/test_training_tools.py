@@ -246,7 +246,7 @@ def test_dflash_and_weaver_losses_fall_on_a_tiny_batch():
     anchors = torch.randint(1, length - drafter.block_size + 1, (2, 3), generator=gen)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=3e-3)
     losses = []
-    for _ in range(40):
+    for _ in range(120):
         loss, _ = dflash.block_loss(drafter, aux, tokens, anchors, embed, lm_head)
         optimizer.zero_grad()
         loss.backward()
