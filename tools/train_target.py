@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training import data  # noqa: E402  (training hides fla before transformers loads)
 from training.loop import (  # noqa: E402
     Checkpoint,
+    add_run_args,
     default_checkpoint,
     make_optimizer,
     setup_device,
@@ -48,18 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="model directory to write")
     parser.add_argument("--init", help="model directory to start from (default: tiny family)")
     parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
-    parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.1)
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
     parser.add_argument("--eval-batches", type=int, default=4)
-    parser.add_argument("--save-every", type=int, default=500)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_args(parser, steps=3000, lr=3e-3, weight_decay=0.1, warmup=100, save_every=500)
     return parser.parse_args(argv)
 
 

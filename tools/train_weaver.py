@@ -37,6 +37,7 @@ from training.acceptance import Drafters, greedy_tau  # noqa: E402
 from training.dflash import DFlashDrafter, sample_anchors  # noqa: E402
 from training.loop import (  # noqa: E402
     Checkpoint,
+    add_run_args,
     default_checkpoint,
     make_optimizer,
     setup_device,
@@ -82,18 +83,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--layout", default="rope_swiglu", choices=LAYOUTS)
     parser.add_argument("--pool-size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=4, help="blocks per sequence")
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
     parser.add_argument("--eval-budget", type=int, default=64)
-    parser.add_argument("--save-every", type=int, default=250)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
-    parser.add_argument("--seed", type=int, default=0)
+    add_run_args(parser, steps=1500, lr=1e-3, weight_decay=0.01, warmup=50, save_every=250)
     return parser.parse_args(argv)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 from pathlib import Path
@@ -9,6 +10,20 @@ from typing import Any
 
 import torch
 from torch import nn
+
+
+def add_run_args(parser: argparse.ArgumentParser, *, steps: int, lr: float,
+                 weight_decay: float, warmup: int, save_every: int) -> None:
+    """The options every training tool shares: schedule, evaluation, device, seed."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--weight-decay", type=float, default=weight_decay)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
+    parser.add_argument("--save-every", type=int, default=save_every)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--seed", type=int, default=0)
 
 
 def setup_device(name: str, threads: int) -> torch.device:
