@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from training import data  # noqa: E402  (training hides fla before transformers loads)
 from training.acceptance import METHODS, Drafters, RunStats, simulate  # noqa: E402
 from training.dflash import DFlashDrafter  # noqa: E402
-from training.loop import setup_device  # noqa: E402
+from training.loop import fill_family_defaults, setup_device  # noqa: E402
 from training.target import Target  # noqa: E402
 
 import torch  # noqa: E402
@@ -164,18 +164,9 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
     plt.close(fig)
 
 
-def _family_defaults(args: argparse.Namespace) -> None:
-    if args.target is None or args.dflash is None:
-        import tiny_family
-
-        family = tiny_family.build_family()
-        args.target = args.target or str(family.target)
-        args.dflash = args.dflash or str(family.dflash)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    _family_defaults(args)
+    fill_family_defaults(args, target="target", dflash="dflash")
     device = setup_device(args.device, args.threads)
     target = Target(args.target, device)
     drafter = DFlashDrafter.load(args.dflash, target.hidden_size).to(device).eval()

@@ -36,6 +36,7 @@ from training.loop import (  # noqa: E402
     Checkpoint,
     add_run_args,
     default_checkpoint,
+    fill_family_defaults,
     make_optimizer,
     setup_device,
     step_generator,
@@ -64,18 +65,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _family_defaults(args: argparse.Namespace) -> None:
-    if args.target is None or args.init is None:
-        import tiny_family
-
-        family = tiny_family.build_family()
-        args.target = args.target or str(family.target)
-        args.init = args.init or str(family.dflash)
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    _family_defaults(args)
+    fill_family_defaults(args, target="target", init="dflash")
     out = Path(args.out)
     device = setup_device(args.device, args.threads)
     target = Target(args.target, device)

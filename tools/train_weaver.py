@@ -39,6 +39,7 @@ from training.loop import (  # noqa: E402
     Checkpoint,
     add_run_args,
     default_checkpoint,
+    fill_family_defaults,
     make_optimizer,
     setup_device,
     step_generator,
@@ -88,15 +89,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--eval-budget", type=int, default=64)
     add_run_args(parser, steps=1500, lr=1e-3, weight_decay=0.01, warmup=50, save_every=250)
     return parser.parse_args(argv)
-
-
-def _family_defaults(args: argparse.Namespace) -> None:
-    if args.target is None or args.dflash is None:
-        import tiny_family
-
-        family = tiny_family.build_family()
-        args.target = args.target or str(family.target)
-        args.dflash = args.dflash or str(family.dflash)
 
 
 def _initial_weaver(args, target: Target, drafter: DFlashDrafter):
@@ -157,7 +149,7 @@ def _logq(weaver, target: Target, inputs: dict[str, torch.Tensor]) -> torch.Tens
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    _family_defaults(args)
+    fill_family_defaults(args, target="target", dflash="dflash")
     out = Path(args.out)
     public_out = Path(args.public_out) if args.public_out else out.with_name(out.name + ".pth")
     device = setup_device(args.device, args.threads)

@@ -26,6 +26,22 @@ def add_run_args(parser: argparse.ArgumentParser, *, steps: int, lr: float,
     parser.add_argument("--seed", type=int, default=0)
 
 
+def fill_family_defaults(args: argparse.Namespace, **fields: str) -> None:
+    """Fill unset path options from the tiny family, built on first use.
+
+    ``fields`` maps an option's attribute to the family member it defaults to,
+    e.g. ``target="target", init="dflash"``.
+    """
+    if all(getattr(args, name) is not None for name in fields):
+        return
+    import tiny_family
+
+    family = tiny_family.build_family()
+    for name, member in fields.items():
+        if getattr(args, name) is None:
+            setattr(args, name, str(getattr(family, member)))
+
+
 def setup_device(name: str, threads: int) -> torch.device:
     """"auto" (CUDA when present, else CPU), "cpu" or "cuda[:i]".
 
