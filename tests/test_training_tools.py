@@ -21,6 +21,7 @@ from training import acceptance, data, dflash, target, weaver_lk  # noqa: E402
 import tiny_family  # noqa: E402
 import eval_acceptance  # noqa: E402
 import train_dflash  # noqa: E402
+import train_family  # noqa: E402
 import train_target  # noqa: E402
 import train_weaver  # noqa: E402
 
@@ -343,6 +344,39 @@ def test_train_target_smoke_run_writes_a_loadable_model(family, tmp_path):
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
 
 
+def test_train_family_smoke_run_writes_a_family_that_loads(family, tmp_path):
+    out = tmp_path / "family"
+    manifest = train_family.main(["--out", str(out), "--work", str(tmp_path / "work"),
+                                  "--base", str(family.root), "--smoke", "--device", "cpu"])
+    assert set(manifest["recipe"]) == {"target", "dflash", "weaver"}
+    assert set(manifest["results"]) == {"target", "dflash", "weaver"}
+    assert manifest["data"]["heldout_modules"] == list(data.HELDOUT_MODULES)
+    loaded = tiny_family.trained_family(out)
+    assert (loaded.target / "model.safetensors").is_file()
+    target.Target(loaded.target)
+    dflash.DFlashDrafter.load(loaded.dflash, tiny_family.HIDDEN)
+    load_weaver(loaded.weaver, target_hidden_size=tiny_family.HIDDEN)
+
+    # A changed or missing file is named.
+    weights = out / "dflash" / "model.safetensors"
+    changed = bytearray(weights.read_bytes())
+    changed[-1] ^= 0xFF
+    weights.write_bytes(bytes(changed))
+    with pytest.raises(ValueError, match="dflash/model.safetensors is altered"):
+        tiny_family.trained_family(out)
+    weights.unlink()
+    with pytest.raises(ValueError, match="dflash/model.safetensors is missing"):
+        tiny_family.trained_family(out)
+
+
+def test_committed_trained_family_matches_its_manifest():
+    loaded = tiny_family.trained_family()
+    config = json.loads((loaded.target / "config.json").read_text())
+    assert config["model_type"] == "qwen3_next"
+    assert json.loads((loaded.dflash / "config.json").read_text())["architectures"] == [
+        "DFlashDraftModel"]
+
+
 # -- eval: tau against a hand count ---------------------------------------------------------
 
 
@@ -409,7 +443,7 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
 
     # The tool's own numbers on a real (barely trained) drafter, all three methods.
     report = eval_acceptance.main([
-        "--dflash", str(trained["root"] / "whole"), "--weaver", str(family.weaver),
+        "--family", "random", "--dflash", str(trained["root"] / "whole"),
         "--out", str(tmp_path / "eval.json"), "--num-prompts", "1", "--prompt-len", "8",
         "--max-new-tokens", "6", "--budgets", "8", "--temperatures", "0", "1",
         "--device", "cpu",

@@ -4,8 +4,11 @@ Runs each configuration in one engine after another (same process), on the
 same prompts, and prints tokens/s and the mean accepted length tau (tokens
 per verify step, bonus included, from vLLM's spec-decode counters).
 
-    python tools/bench_e2e.py                       # tiny family, CPU
-    python tools/bench_e2e.py --family DIR --budgets 16 64 --max-tokens 128
+    python tools/bench_e2e.py                  # trained tiny family, held-out prompts, CPU
+    python tools/bench_e2e.py --family random --budgets 16 64 --max-tokens 128
+
+Prompts are --num-prompts windows of --prompt-len tokens from the held-out standard-library
+modules (tools/training/data.py), given to vLLM as token ids.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def configurations(drafter: Path, weaver: Path, budgets: list[int],
     return configs
 
 
-def run_config(target: Path, speculative_config: dict | None, prompts: list[str],
+def run_config(target: Path, speculative_config: dict | None, prompts: list,
                max_tokens: int, temperature: float = 0.0, max_num_seqs: int = 8,
                margins: bool = False) -> dict:
     """Generate ``max_tokens`` per prompt; returns tokens, tokens/s and tau, and
@@ -97,24 +100,32 @@ def _spec_counters(llm) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tiny_family import PROMPTS, build_family, load_family
+    from tiny_family import build_family, trained_family
+    from training.data import heldout_prompts, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", type=Path, default=None,
-                        help="model family directory (default: build the tiny family)")
+    parser.add_argument("--family", default="trained",
+                        help="'trained' (models/tiny_trained, default), 'random' (the tiny "
+                        "family built here) or a trained family directory")
     parser.add_argument("--dflash", type=Path, default=None,
                         help="DFlash drafter directory (default: the family's)")
     parser.add_argument("--weaver", type=Path, default=None,
                         help="Weaver checkpoint (default: the family's)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[7, 33, 64])
     parser.add_argument("--trees", nargs="+", default=["weaver", "ddtree", "chain"])
+    parser.add_argument("--num-prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    family = load_family(args.family) if args.family else build_family()
-    prompts = list(PROMPTS)
+    if args.family == "random":
+        family = build_family()
+    else:
+        family = trained_family(*(() if args.family == "trained" else (args.family,)))
+    rows = heldout_prompts(load_tokenizer(family.target), args.num_prompts, args.prompt_len)
+    prompts = [{"prompt_token_ids": row.tolist()} for row in rows]
     rows = []
     drafter = args.dflash or family.dflash
     weaver = args.weaver or family.weaver

@@ -1,8 +1,12 @@
 """Mean accepted length of chain DFlash, DDTree(B) and DFlash-TfM(B) on a prompt set.
 
-    python tools/eval_acceptance.py --dflash artifacts/trained_tiny/dflash \
-        --weaver artifacts/trained_tiny/weaver.pth --out artifacts/trained_tiny/eval.json \
-        [--prompts FILE] [--budgets 8 16 32 64 128] [--temperatures 0 1]
+    python tools/eval_acceptance.py --out artifacts/eval/tiny_trained.json \
+        [--target DIR --dflash DIR --weaver PTH|DIR] [--prompts FILE] \
+        [--budgets 8 16 32 64 128] [--temperatures 0 1]
+
+Target, drafter and Weaver not given come from --family: the committed trained tiny
+family (models/tiny_trained, the default) or the random one (tools/tiny_family.py);
+`--weaver none` evaluates without TfM rows.
 
 Each (temperature, method, budget) decodes every prompt for --max-new-tokens tokens with
 the engine's builders and verifiers (tools/training/acceptance.py: the target scores
@@ -47,9 +51,11 @@ COLORS = {"chain": "tab:gray", "ddtree": "tab:blue", "tfm": "tab:orange"}
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write (PNG beside it)")
-    parser.add_argument("--target", help="target model directory (default: tiny family)")
-    parser.add_argument("--dflash", help="DFlash drafter directory (default: tiny family)")
-    parser.add_argument("--weaver", help="Weaver .pth or directory (no TfM rows without it)")
+    parser.add_argument("--family", choices=("trained", "random"), default="trained",
+                        help="tiny family that supplies the paths not given")
+    parser.add_argument("--target", help="target model directory")
+    parser.add_argument("--dflash", help="DFlash drafter directory")
+    parser.add_argument("--weaver", help="Weaver .pth or directory ('none': no TfM rows)")
     parser.add_argument("--prompts", help="JSON list of prompt strings")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per held-out prompt")
@@ -75,9 +81,7 @@ def _prompt_ids(args, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
         if any(i.numel() == 0 for i in ids):
             raise ValueError(f"--prompts {args.prompts}: a prompt encodes to no tokens")
         return ids, texts
-    windows = data.SourceWindows(tokenizer, data.stdlib_sources("heldout"))
-    rows = windows.sample(args.num_prompts, args.prompt_len,
-                          torch.Generator().manual_seed(args.seed))
+    rows = data.heldout_prompts(tokenizer, args.num_prompts, args.prompt_len, args.seed)
     return list(rows), [tokenizer.decode(row.tolist()) for row in rows]
 
 
@@ -166,7 +170,10 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    fill_family_defaults(args, target="target", dflash="dflash")
+    fill_family_defaults(args, trained=args.family == "trained", target="target",
+                         dflash="dflash", weaver="weaver")
+    if args.weaver == "none":
+        args.weaver = None
     device = setup_device(args.device, args.threads)
     target = Target(args.target, device)
     drafter = DFlashDrafter.load(args.dflash, target.hidden_size).to(device).eval()

@@ -53,6 +53,8 @@ import torch
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_family"
+# The trained family (tools/train_family.py), committed with its recipe.
+TRAINED_DIR = REPO_ROOT / "models" / "tiny_trained"
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 PAD_TOKEN, IM_START, EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
@@ -405,6 +407,27 @@ def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
     if manifest.get("build_hash") != build_hash or manifest.get("files") != _file_digests(root):
         return None
     return _family(root, build_hash)
+
+
+def trained_family(root: str | os.PathLike = TRAINED_DIR) -> TinyFamily:
+    """The committed trained family (target, drafter and Weaver trained by
+    tools/train_family.py), every file checked against its manifest's sha256.
+
+    Its `weaver` is a safetensors directory and its `build_hash` the sha256 of the
+    manifest; raises ValueError naming the first missing or altered file.
+    """
+    root = Path(root).resolve()
+    manifest_path = root / "manifest.json"
+    if not manifest_path.is_file():
+        raise ValueError(f"{root} holds no manifest.json: not a trained family")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    present = _file_digests(root)
+    for name, digest in manifest["files"].items():
+        if present.get(name) != digest:
+            state = "missing" if name not in present else "altered"
+            raise ValueError(f"trained family {root}: {name} is {state} (sha256 mismatch)")
+    return TinyFamily(root=root, target=root / "target", dflash=root / "dflash",
+                      weaver=root / "weaver", build_hash=_sha256(manifest_path))
 
 
 def build_family(

@@ -1,14 +1,17 @@
 """Train the tiny Qwen3-Next target as a language model of Python's standard-library sources.
 
     python tools/train_target.py --out artifacts/trained_tiny/target [--steps 3000] \
-        [--batch 64] [--seq-len 256] [--init DIR] [--device auto|cpu|cuda]
+        [--batch 64] [--seq-len 256] [--config DIR] [--init DIR] [--device auto|cpu|cuda]
 
-Starts from the weights in --init (default: the tiny family's random target, i.e. the
-family's initialisation) and minimises next-token cross-entropy on random token windows
-of the training modules (tools/training/data.py); held-out modules give the eval loss.
+Takes the architecture and tokenizer from --config (default: the tiny family's target)
+and starts from transformers' own initialisation of that config (seeded by --seed), or
+from the weights in --init. (The family's random target is built to look like a trained
+model to the engine, peaky logits of std 8 included: as a starting point its loss is
+~40 nats.) Minimises next-token cross-entropy on random token windows of the training
+modules (tools/training/data.py); held-out modules give the eval loss.
 transformers runs the model (PyTorch GDN path; fla hidden), fp32 weights, bf16 autocast
 on CUDA. AdamW, warm-up + cosine. Writes a transformers model directory in bf16 with the
-init's tokenizer files (what tiny_family's target directory holds); resumable state in
+--config's tokenizer files (what tiny_family's target directory holds); resumable state in
 `<out>.ckpt`. On this CPU only smoke runs fit; the real run is meant for one GPU (about
 20 minutes).
 """
@@ -31,11 +34,12 @@ from training.loop import (  # noqa: E402
     Checkpoint,
     add_run_args,
     default_checkpoint,
+    fill_family_defaults,
     make_optimizer,
     setup_device,
     step_generator,
 )
-from training.target import load_causal_lm  # noqa: E402
+from training.target import hide_fla, load_causal_lm  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -47,7 +51,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="model directory to write")
-    parser.add_argument("--init", help="model directory to start from (default: tiny family)")
+    parser.add_argument("--config", help="model directory whose config and tokenizer are "
+                        "used (default: the tiny family's target)")
+    parser.add_argument("--init", help="model directory whose weights to start from "
+                        "(default: a fresh initialisation)")
     parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
@@ -63,26 +70,36 @@ def lm_loss(model, ids: torch.Tensor, autocast) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
 
 
-def save_model(model, init: Path, out: Path) -> None:
-    """A bf16 copy of `model` in a transformers directory, with the init's tokenizer."""
+def initial_model(config_dir: Path, init: Path | None, seed: int, device: torch.device):
+    """fp32 model in train mode: the weights of `init`, else a fresh seeded initialisation
+    of `config_dir`'s config."""
+    if init is not None:
+        return load_causal_lm(init, device, torch.float32).train()
+    hide_fla()
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+
+
+def save_model(model, config_dir: Path, out: Path) -> None:
+    """A bf16 copy of `model` in a transformers directory, with config_dir's tokenizer."""
     copy_ = copy.deepcopy(model).to(torch.bfloat16)
     copy_.config.dtype = torch.bfloat16
     copy_.save_pretrained(out)
     for name in TOKENIZER_FILES:
-        if (init / name).is_file():
-            shutil.copyfile(init / name, out / name)
+        if (config_dir / name).is_file():
+            shutil.copyfile(config_dir / name, out / name)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if args.init is None:
-        import tiny_family
-
-        args.init = str(tiny_family.build_family().target)
-    init, out = Path(args.init), Path(args.out)
+    fill_family_defaults(args, config="target")
+    config_dir, out = Path(args.config), Path(args.out)
     device = setup_device(args.device, args.threads)
-    model = load_causal_lm(init, device, torch.float32).train()
-    tokenizer = data.load_tokenizer(init)
+    model = initial_model(config_dir, args.init and Path(args.init), args.seed, device)
+    tokenizer = data.load_tokenizer(config_dir)
     windows = data.SourceWindows(tokenizer, data.stdlib_sources("train"))
     held = data.SourceWindows(tokenizer, data.stdlib_sources("heldout")).sample(
         args.eval_batches * args.batch, args.seq_len + 1, step_generator(args.seed, -1)
@@ -129,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
             history.append(evaluate())
             tqdm.write(json.dumps(history[-1]))
         if finished or (args.save_every and step % args.save_every == 0):
-            save_model(model, init, out)
+            save_model(model, config_dir, out)
             checkpoint.save(step, {"target": model}, optimizer, scheduler)
     bar.close()
     summary = {"out": str(out), "step": step, "train_loss": loss.item(),

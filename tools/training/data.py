@@ -76,6 +76,12 @@ def load_tokenizer(target_dir: str | Path):
     return Tokenizer.from_file(str(path))
 
 
+def heldout_prompts(tokenizer, count: int, length: int, seed: int = 0) -> torch.Tensor:
+    """[count, length] int64 prompts: token windows of the held-out modules."""
+    windows = SourceWindows(tokenizer, stdlib_sources("heldout"))
+    return windows.sample(count, length, torch.Generator().manual_seed(seed))
+
+
 class SourceWindows:
     """Random token windows from source files, each file encoded on first use.
 
@@ -170,17 +176,18 @@ def continue_prompts(
     new_tokens: int,
     sampled: torch.Tensor,
     generator: torch.Generator,
-    batch_size: int = 128,
+    batch_size: int | None = None,
     desc: str = "generate",
 ) -> torch.Tensor:
     """Continue `prompts` ([N, L] int64) by `new_tokens` target tokens each.
 
     Rows with `sampled` ([N] bool) draw from the full T=1 softmax with `generator` (on
-    the target's device), the others take the argmax. Returns [N, L + new_tokens] int64
-    on the CPU.
+    the target's device), the others take the argmax; `batch_size` rows at a time
+    (default 1024 on a GPU, 128 on a CPU). Returns [N, L + new_tokens] int64 on the CPU.
     """
     rows = []
     device = target.device
+    batch_size = batch_size or (1024 if device.type == "cuda" else 128)
     for start in tqdm(range(0, prompts.shape[0], batch_size), desc=desc, leave=False):
         ids = prompts[start : start + batch_size].to(device)
         draw = sampled[start : start + batch_size].to(device)

@@ -26,8 +26,10 @@ def add_run_args(parser: argparse.ArgumentParser, *, steps: int, lr: float,
     parser.add_argument("--seed", type=int, default=0)
 
 
-def fill_family_defaults(args: argparse.Namespace, **fields: str) -> None:
-    """Fill unset path options from the tiny family, built on first use.
+def fill_family_defaults(args: argparse.Namespace, *, trained: bool = False,
+                         **fields: str) -> None:
+    """Fill unset path options from the tiny family: the committed trained one when
+    `trained`, else the random one (built on first use).
 
     ``fields`` maps an option's attribute to the family member it defaults to,
     e.g. ``target="target", init="dflash"``.
@@ -36,7 +38,7 @@ def fill_family_defaults(args: argparse.Namespace, **fields: str) -> None:
         return
     import tiny_family
 
-    family = tiny_family.build_family()
+    family = tiny_family.trained_family() if trained else tiny_family.build_family()
     for name, member in fields.items():
         if getattr(args, name) is None:
             setattr(args, name, str(getattr(family, member)))

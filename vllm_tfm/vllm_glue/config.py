@@ -45,7 +45,9 @@ def wrap_create_engine_config(original):
         if not _on_cpu():
             # The tree path patches model runner V1 and the TRITON_ATTN backend.
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-            self.attention_backend = self.attention_backend or CUDA_ATTENTION_BACKEND
+            if self.attention_backend is None and self.attention_config.backend is None:
+                # vLLM refuses both fields set, so only fill an unset choice.
+                self.attention_backend = CUDA_ATTENTION_BACKEND
             vllm_spec.setdefault("attention_backend", CUDA_ATTENTION_BACKEND)
         self.speculative_config = vllm_spec
         # GDN states advance along the accepted path only, in place: prefix
