@@ -191,6 +191,21 @@ def main(argv: list[str] | None = None) -> dict:
     chain_budget = args.chain_budget or drafter.draft_depth
     configs = [(t, m, b) for t in args.temperatures for m in methods
                for b in ([chain_budget] if m == "chain" else sorted(set(args.budgets)))]
+    reference = REFERENCE_BUDGET if REFERENCE_BUDGET in args.budgets else max(args.budgets)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write_report(rows: list[dict]) -> dict:
+        report = {
+            "config": {key: value for key, value in vars(args).items()},
+            "prompts": texts,
+            "summary": _ratios(rows, reference),
+            "results": rows,
+        }
+        out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        plot(rows, out.with_suffix(".png"), reference)
+        return report
+
     rows = []
     bar = tqdm(total=len(configs) * len(prompts), desc="eval acceptance")
     for temperature, method, budget in configs:
@@ -206,21 +221,10 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row)
         tqdm.write(f"T={temperature:g} {method:6s} B={budget:<4d} tau={row['tau']:.3f} "
                    f"steps={row['steps']} pool mass={row['retained_mass']['mean']:.4f}")
+        report = write_report(rows)  # after every configuration: a cut-short run keeps them
     bar.close()
-    reference = REFERENCE_BUDGET if REFERENCE_BUDGET in args.budgets else max(args.budgets)
-    report = {
-        "config": {key: value for key, value in vars(args).items()},
-        "prompts": texts,
-        "summary": _ratios(rows, reference),
-        "results": rows,
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    plot(rows, out.with_suffix(".png"), reference)
     print(json.dumps(report["summary"], indent=2))
     return report
-
 
 if __name__ == "__main__":
     main()
