@@ -226,6 +226,21 @@ def test_batched_round_equals_one_request_at_a_time(layout):
             torch.testing.assert_close(got, logq[r : r + 1], atol=1e-5, rtol=0, msg=f"seed {seed}")
 
 
+def test_unvalidated_round_gives_the_same_scores():
+    """The engine's rounds skip the host-side node checks; the numbers must not change."""
+    seed = random.randrange(2**31)
+    rows, depth, width, calls = 3, 5, 3, 5
+    weaver = random_weaver(make_config("rope_swiglu"), seed)
+    weaver.prepare_tables(*make_target(seed + 1))
+    inputs = make_round_inputs(rows, depth, seed + 2)
+    max_nodes = 1 + width * calls
+    plan = TreePlan(rows, depth, max_nodes, width, "random", seed + 3)
+    _, outs = run_plan(weaver, inputs, plan, max_nodes, calls)
+    fast = weaver.start_round(*inputs, max_nodes=max_nodes, validate=False)
+    for call, logq in outs:
+        assert torch.equal(fast.expand(*call), logq), f"seed {seed}"
+
+
 def test_bf16_round_tracks_fp32():
     seed = random.randrange(2**31)
     weaver = random_weaver(make_config("rope_swiglu"), seed)

@@ -366,6 +366,7 @@ class Weaver(nn.Module):
         pool_ids: torch.Tensor,
         pool_scores: torch.Tensor,
         max_nodes: int,
+        validate: bool = True,
     ) -> WeaverRound:
         """Run the prefix pass of one draft round for R requests.
 
@@ -378,6 +379,9 @@ class Weaver(nn.Module):
             pool_scores: [R, D, P] float raw target-LM-head logits of ``pool_ids``.
             max_nodes: tree nodes the round may hold (root included); node indices
                 given to ``expand`` lie in [0, max_nodes).
+            validate: check the pool ids and every ``expand`` call's nodes on the
+                host (one device read each). The engine turns it off: its pools come
+                from top-k and its nodes from the tree builder.
 
         Returns:
             A WeaverRound holding the prefix K/V, the per-round tree KV cache and
@@ -428,7 +432,7 @@ class Weaver(nn.Module):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device}, the Weaver on {self.device}")
         vocab = self.query_table.shape[0]
-        if _may_sync(pool_ids) and ((pool_ids < 0) | (pool_ids >= vocab)).any():
+        if validate and _may_sync(pool_ids) and ((pool_ids < 0) | (pool_ids >= vocab)).any():
             raise ValueError(f"pool_ids must lie in [0, V={vocab})")
 
         states = torch.cat([h_v[:, None], dflash_hidden], dim=1)  # [R, D+1, d_model]
@@ -445,7 +449,8 @@ class Weaver(nn.Module):
             keys.append(k)
             values.append(v)
         return WeaverRound(
-            self, torch.stack(keys), torch.stack(values), pool_ids, pool_scores, max_nodes
+            self, torch.stack(keys), torch.stack(values), pool_ids, pool_scores, max_nodes,
+            validate,
         )
 
 
@@ -459,7 +464,8 @@ class WeaverRound:
 
     Node ``i`` of request ``r`` lives at slot ``i`` of the tree cache; slot
     ``max_nodes`` is a scratch slot that padding rows write to, so no step needs
-    a data-dependent branch.
+    a data-dependent branch. With ``validate``, every ``expand`` call's nodes are
+    checked on the host first.
 
     Attributes:
         num_requests (R), depth (D), pool_size (P), max_nodes (N).
@@ -478,8 +484,10 @@ class WeaverRound:
         pool_ids: torch.Tensor,
         pool_scores: torch.Tensor,
         max_nodes: int,
+        validate: bool = True,
     ):
         self.weaver = weaver
+        self.validate = validate
         self.prefix_keys = prefix_keys
         self.prefix_values = prefix_values
         self.pool_ids = pool_ids
@@ -539,7 +547,7 @@ class WeaverRound:
                 )
             if t.device != self.node_depth.device:
                 raise ValueError(f"{name} is on {t.device}, the round on {self.node_depth.device}")
-        if _may_sync(node_index):
+        if self.validate and _may_sync(node_index):
             self._check_nodes(node_index, tokens, parent_index, depths)
 
         weaver, cfg = self.weaver, self.weaver.config

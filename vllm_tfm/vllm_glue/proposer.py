@@ -129,10 +129,11 @@ class TreeProposer(DFlashProposer):
     def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:
         ids, scores, dflash_hidden = self._pools
         budget = self.options.budget
+        # Pools come from top-k and nodes from the builders: no host-side checks.
         if self.options.tree == "chain":
-            return build_chain(root_tokens, ids, scores, budget)
+            return build_chain(root_tokens, ids, scores, budget, validate=False)
         if self.options.tree == "ddtree":
-            return build_ddtree(root_tokens, ids, scores, budget)
+            return build_ddtree(root_tokens, ids, scores, budget, validate=False)
         weaver_dtype = self.weaver.dtype
         session = self.weaver.start_round(
             self._target_hidden.to(weaver_dtype),
@@ -140,12 +141,14 @@ class TreeProposer(DFlashProposer):
             ids,
             scores,
             max_nodes=budget + 1,
+            validate=False,
         )
         return build_weaver_tree(
             root_tokens, ids, session, budget,
             fanout=self.options.fanout,
             expand_width=self.options.resolved_expand_width,
             max_depth=self.draft_depth,
+            validate=False,
         )
 
     def _draft_token_ids(self, trees: DraftTree) -> torch.Tensor:
