@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,13 +37,13 @@ from training.loop import (  # noqa: E402
     default_checkpoint,
     fill_family_defaults,
     make_optimizer,
+    run_training,
     setup_device,
     step_generator,
 )
 from training.target import Target  # noqa: E402
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,11 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--init", help="drafter directory to start from (default: tiny family)")
     parser.add_argument("--data", help="continuation cache (default: <out>.data.pt)")
     parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
-    parser.add_argument("--num-seqs", type=int, default=512, help="training sequences")
-    parser.add_argument("--heldout-seqs", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--sampled-fraction", type=float, default=0.5)
+    data.add_continuation_args(parser)
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=8, help="blocks per sequence")
     add_run_args(parser, steps=1500, lr=1e-3, weight_decay=0.01, warmup=50, save_every=250)
@@ -73,10 +68,7 @@ def main(argv: list[str] | None = None) -> dict:
     target = Target(args.target, device)
     drafter = DFlashDrafter.load(args.init, target.hidden_size).to(device)
     layer_ids = target.check_layer_ids(drafter.target_layer_ids)
-    spec = data.ContinuationSpec(
-        num_train=args.num_seqs, num_heldout=args.heldout_seqs, prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
-    )
+    spec = data.continuation_spec(args)
     block = drafter.block_size
     if args.new_tokens < block:
         raise ValueError(f"--new-tokens must be at least the block size {block}")
@@ -96,7 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     held_anchors = sample_anchors(heldout.num_sequences, args.anchors, args.prompt_len,
                                   length - block, step_generator(args.seed, -1))
 
-    def evaluate() -> dict:
+    def evaluate(step: int) -> dict:
         drafter.eval()
         with torch.no_grad():
             loss, correct = block_loss(drafter, held_aux.to(device), heldout.tokens.to(device),
@@ -107,14 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {"step": step, "heldout_loss": loss.item(), "heldout_chain_tau": tau,
                 "heldout_top1_by_k": [round(c, 3) for c in correct.tolist()]}
 
-    history = [evaluate()] if step == 0 else []
-    if history:
-        tqdm.write(json.dumps(history[-1]))
-    started = time.perf_counter()
-    bar = tqdm(total=args.steps, initial=step, desc="train dflash")
-    drafter.train()
-    loss = torch.tensor(float("nan"))
-    while step < args.steps:
+    def loss_at(step: int):
         generator = step_generator(args.seed, step)
         rows = torch.randint(0, train.num_sequences, (args.batch,), generator=generator)
         anchors = sample_anchors(args.batch, args.anchors, args.prompt_len, length - block,
@@ -122,24 +107,20 @@ def main(argv: list[str] | None = None) -> dict:
         loss, correct = block_loss(drafter, train_aux[rows].to(device),
                                    train.tokens[rows].to(device), anchors.to(device),
                                    target.embed, target.lm_head)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1_k1=f"{correct[0].item():.2f}")
-        finished = step == args.steps
-        if finished or (args.eval_every and step % args.eval_every == 0):
-            history.append(evaluate())
-            tqdm.write(json.dumps(history[-1]))
-        if finished or (args.save_every and step % args.save_every == 0):
-            drafter.save(out)
-            checkpoint.save(step, {"dflash": drafter}, optimizer, scheduler)
-    bar.close()
-    summary = {"out": str(out), "step": step, "train_loss": loss.item(),
-               "seconds": time.perf_counter() - started, "history": history}
+        return loss, {"top1_k1": correct[0].item()}
+
+    def save(step: int) -> None:
+        drafter.save(out)
+        checkpoint.save(step, {"dflash": drafter}, optimizer, scheduler)
+
+    drafter.train()
+    run = run_training(
+        params=drafter.parameters(), optimizer=optimizer, scheduler=scheduler, start=step,
+        steps=args.steps, loss_at=loss_at, evaluate=evaluate, save=save,
+        eval_every=args.eval_every, save_every=args.save_every, desc="train dflash",
+    )
+    summary = {"out": str(out), "step": run.step, "train_loss": run.train_loss,
+               "seconds": run.seconds, "history": run.history}
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return summary
 

@@ -23,7 +23,6 @@ import copy
 import json
 import shutil
 import sys
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from training.loop import (  # noqa: E402
     default_checkpoint,
     fill_family_defaults,
     make_optimizer,
+    run_training,
     setup_device,
     step_generator,
 )
@@ -43,7 +43,6 @@ from training.target import hide_fla, load_causal_lm  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpoint = Checkpoint(args.checkpoint or default_checkpoint(out))
     step = checkpoint.restore({"target": model}, optimizer, scheduler)
 
-    def evaluate() -> dict:
+    def evaluate(step: int) -> dict:
         model.eval()
         with torch.no_grad():
             losses = [lm_loss(model, batch.to(device), autocast).item()
@@ -124,33 +123,21 @@ def main(argv: list[str] | None = None) -> dict:
         model.train()
         return {"step": step, "heldout_loss": sum(losses) / len(losses)}
 
-    history = [evaluate()] if step == 0 else []
-    if history:
-        tqdm.write(json.dumps(history[-1]))
-    started = time.perf_counter()
-    bar = tqdm(total=args.steps, initial=step, desc="train target")
-    loss = torch.tensor(float("nan"))
-    while step < args.steps:
+    def loss_at(step: int):
         ids = windows.sample(args.batch, args.seq_len + 1, step_generator(args.seed, step))
-        loss = lm_loss(model, ids.to(device), autocast)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-        finished = step == args.steps
-        if finished or (args.eval_every and step % args.eval_every == 0):
-            history.append(evaluate())
-            tqdm.write(json.dumps(history[-1]))
-        if finished or (args.save_every and step % args.save_every == 0):
-            save_model(model, config_dir, out)
-            checkpoint.save(step, {"target": model}, optimizer, scheduler)
-    bar.close()
-    summary = {"out": str(out), "step": step, "train_loss": loss.item(),
-               "seconds": time.perf_counter() - started, "history": history}
+        return lm_loss(model, ids.to(device), autocast), {}
+
+    def save(step: int) -> None:
+        save_model(model, config_dir, out)
+        checkpoint.save(step, {"target": model}, optimizer, scheduler)
+
+    run = run_training(
+        params=model.parameters(), optimizer=optimizer, scheduler=scheduler, start=step,
+        steps=args.steps, loss_at=loss_at, evaluate=evaluate, save=save,
+        eval_every=args.eval_every, save_every=args.save_every, desc="train target",
+    )
+    summary = {"out": str(out), "step": run.step, "train_loss": run.train_loss,
+               "seconds": run.seconds, "history": run.history}
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return summary
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,6 +40,7 @@ from training.loop import (  # noqa: E402
     default_checkpoint,
     fill_family_defaults,
     make_optimizer,
+    run_training,
     setup_device,
     step_generator,
 )
@@ -73,11 +73,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--init", help="Weaver .pth or directory to start from (default: random)")
     parser.add_argument("--data", help="continuation cache (default: <dflash>.data.pt)")
     parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
-    parser.add_argument("--num-seqs", type=int, default=512)
-    parser.add_argument("--heldout-seqs", type=int, default=32)
-    parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=96)
-    parser.add_argument("--sampled-fraction", type=float, default=0.5)
+    data.add_continuation_args(parser)
     parser.add_argument("--d-rank", type=int, default=128)
     parser.add_argument("--num-heads", type=int, default=4)
     parser.add_argument("--mlp-dim", type=int, default=256)
@@ -163,10 +159,7 @@ def main(argv: list[str] | None = None) -> dict:
     block = drafter.block_size
     if args.new_tokens < block:
         raise ValueError(f"--new-tokens must be at least the block size {block}")
-    spec = data.ContinuationSpec(
-        num_train=args.num_seqs, num_heldout=args.heldout_seqs, prompt_len=args.prompt_len,
-        new_tokens=args.new_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
-    )
+    spec = data.continuation_spec(args)
     dflash_dir = Path(args.dflash)
     data_path = Path(args.data) if args.data else dflash_dir.with_name(dflash_dir.name + ".data.pt")
     sets = data.load_or_build_continuations(data_path, target, args.target, spec)
@@ -198,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     tqdm.write(json.dumps({"heldout_greedy_tau": baselines,
                            "heldout_alpha_marginal": marginal.alpha.mean().item()}))
 
-    def evaluate() -> dict:
+    def evaluate(step: int) -> dict:
         weaver.eval()
         with torch.no_grad():
             terms = lk_loss(held_inputs["p"], _logq(weaver, target, held_inputs))
@@ -209,46 +202,31 @@ def main(argv: list[str] | None = None) -> dict:
                 "heldout_alpha": terms.alpha.mean().item(),
                 f"heldout_greedy_tau_tfm{args.eval_budget}": tau}
 
-    def save() -> None:
-        metadata = {"target": str(args.target), "drafter": str(args.dflash), "steps": step,
-                    "pool_retained_mass": pool_mass}
-        save_weaver_safetensors(weaver, out, metadata=metadata)
-        save_weaver_public(weaver, public_out, metadata=metadata)
-        checkpoint.save(step, {"weaver": weaver}, optimizer, scheduler)
-
-    history = [evaluate()] if step == 0 else []
-    if history:
-        tqdm.write(json.dumps(history[-1]))
-    started = time.perf_counter()
-    bar = tqdm(total=args.steps, initial=step, desc="train weaver")
-    loss = torch.tensor(float("nan"))
-    while step < args.steps:
+    def loss_at(step: int):
         generator = step_generator(args.seed, step)
         rows = torch.randint(0, train.num_sequences, (args.batch,), generator=generator)
         anchors = sample_anchors(args.batch, args.anchors, args.prompt_len, length - block,
                                  generator)
         inputs = train_blocks.batch(rows, anchors)
         terms = lk_loss(inputs["p"], _logq(weaver, target, inputs))
-        loss = terms.loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(weaver.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", alpha=f"{terms.alpha.mean().item():.3f}")
-        finished = step == args.steps
-        if finished or (args.eval_every and step % args.eval_every == 0):
-            history.append(evaluate())
-            tqdm.write(json.dumps(history[-1]))
-        if finished or (args.save_every and step % args.save_every == 0):
-            save()
-    bar.close()
-    summary = {"out": str(out), "public_out": str(public_out), "step": step,
-               "train_loss": loss.item(), "seconds": time.perf_counter() - started,
+        return terms.loss, {"alpha": terms.alpha.mean().item()}
+
+    def save(step: int) -> None:
+        metadata = {"target": str(args.target), "drafter": str(args.dflash), "steps": step,
+                    "pool_retained_mass": pool_mass}
+        save_weaver_safetensors(weaver, out, metadata=metadata)
+        save_weaver_public(weaver, public_out, metadata=metadata)
+        checkpoint.save(step, {"weaver": weaver}, optimizer, scheduler)
+
+    run = run_training(
+        params=weaver.parameters(), optimizer=optimizer, scheduler=scheduler, start=step,
+        steps=args.steps, loss_at=loss_at, evaluate=evaluate, save=save,
+        eval_every=args.eval_every, save_every=args.save_every, desc="train weaver",
+    )
+    summary = {"out": str(out), "public_out": str(public_out), "step": run.step,
+               "train_loss": run.train_loss, "seconds": run.seconds,
                "heldout_pool_retained_mass": pool_mass, "heldout_greedy_tau": baselines,
-               "history": history}
+               "history": run.history}
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return summary
 

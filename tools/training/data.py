@@ -151,6 +151,24 @@ class ContinuationSpec:
             raise ValueError(f"sampled_fraction must be in [0, 1], got {self.sampled_fraction}")
 
 
+def add_continuation_args(parser) -> None:
+    """The options that define a continuation set (shared by the drafter tools, so
+    both read the same cache when given the same values)."""
+    parser.add_argument("--num-seqs", type=int, default=512, help="training sequences")
+    parser.add_argument("--heldout-seqs", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=96)
+    parser.add_argument("--sampled-fraction", type=float, default=0.5)
+
+
+def continuation_spec(args) -> ContinuationSpec:
+    """The ContinuationSpec of parsed `add_continuation_args` options (and --seed)."""
+    return ContinuationSpec(
+        num_train=args.num_seqs, num_heldout=args.heldout_seqs, prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
+    )
+
+
 @dataclass(frozen=True)
 class Continuations:
     """Prompt + target continuation sequences.

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 
 def add_run_args(parser: argparse.ArgumentParser, *, steps: int, lr: float,
@@ -134,3 +138,68 @@ def default_checkpoint(out: str | Path) -> Path:
     """`<out>.ckpt` beside the output (never inside a model directory that vLLM reads)."""
     out = Path(out)
     return out.with_name(out.name + ".ckpt")
+
+
+@dataclass
+class TrainingRun:
+    """What `run_training` did: the last step, the last training loss, the seconds spent
+    in the loop and the evaluations made (each a dict with its "step")."""
+
+    step: int
+    train_loss: float
+    seconds: float
+    history: list[dict] = field(default_factory=list)
+
+
+def run_training(
+    *,
+    params,
+    optimizer,
+    scheduler,
+    start: int,
+    steps: int,
+    loss_at: Callable[[int], tuple[torch.Tensor, dict[str, float]]],
+    evaluate: Callable[[int], dict],
+    save: Callable[[int], None],
+    eval_every: int,
+    save_every: int,
+    desc: str,
+) -> TrainingRun:
+    """The loop every training tool runs, from step `start` to `steps`.
+
+    Each step: `loss_at(step)` gives the loss and values for the progress bar; backward,
+    gradient norm clipped to 1 over `params`, optimiser and schedule step. `evaluate(step)`
+    runs before a fresh run (start 0), every `eval_every` steps (0: never) and at the end,
+    its result printed as one JSON line; `save(step)` every `save_every` steps and at the
+    end.
+    """
+    params = list(params)
+    history = []
+
+    def record(step: int) -> None:
+        history.append(evaluate(step))
+        tqdm.write(json.dumps(history[-1]))
+
+    if start == 0:
+        record(0)
+    started = time.perf_counter()
+    bar = tqdm(total=steps, initial=start, desc=desc)
+    loss = torch.tensor(float("nan"))
+    step = start
+    while step < steps:
+        loss, shown = loss_at(step)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        scheduler.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.3f}" for k, v in shown.items()})
+        finished = step == steps
+        if finished or (eval_every and step % eval_every == 0):
+            record(step)
+        if finished or (save_every and step % save_every == 0):
+            save(step)
+    bar.close()
+    return TrainingRun(step, loss.item(), time.perf_counter() - started, history)

@@ -208,7 +208,7 @@ def _detect_layout(state_dict: dict[str, torch.Tensor]) -> str:
     if len(found) != 1:
         block_keys = sorted(key for key in state_dict if key.startswith("blocks.0."))
         raise ValueError(
-            f"state_dict must hold exactly one block layout: "
+            "state_dict must hold exactly one block layout: "
             + ", ".join(f"{m!r} ({layout})" for layout, m in _LAYOUT_MARKERS.items())
             + f"; its blocks.0 keys are {block_keys}"
         )
