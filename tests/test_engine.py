@@ -105,6 +105,57 @@ def test_trained_family_accepts_long_paths_losslessly(trained, tree, minimum_tau
     assert tau >= minimum_tau, f"mean accepted length {tau:.2f}"
 
 
+def _processed_greedy(trained, speculative_config, params) -> dict:
+    """Greedy tokens per prompt and, without speculation, each position's top-2 margin
+    of the PROCESSED logprobs (after penalties and masks: the ones that decide)."""
+    llm = make_llm(trained, speculative_config, max_num_seqs=len(params),
+                   logprobs_mode="processed_logprobs")
+    if speculative_config is None:
+        params = [p.clone() for p in params]
+        for p in params:
+            p.logprobs = 2
+    outputs = [o.outputs[0] for o in llm.generate(list(PROMPTS[: len(params)]), params,
+                                                  use_tqdm=False)]
+    del llm  # before the next engine starts: its teardown resets global state
+    gc.collect()
+    result = {"tokens": [list(o.token_ids) for o in outputs]}
+    if speculative_config is None:
+        result["margins"] = [
+            [top[0] - top[1] for top in (sorted((e.logprob for e in position.values()),
+                                                reverse=True) for position in o.logprobs)]
+            for o in outputs
+        ]
+    return result
+
+
+def test_penalties_and_token_constraints_stay_lossless(trained):
+    """Each tree node is processed with the request's output plus its own path:
+    penalties, allowed token ids, bad words and min_tokens give the output of
+    decoding without speculation up to bf16 ties (on the trained family, which
+    accepts long paths)."""
+    from tokenizers import Tokenizer
+    from vllm import SamplingParams
+
+    tokenizer = Tokenizer.from_file(str(trained.target / "tokenizer.json"))
+    greedy = dict(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = _processed_greedy(trained, None, [SamplingParams(**greedy)] * 5)["tokens"]
+    stop = plain[4][2]
+    params = [
+        SamplingParams(**greedy, repetition_penalty=1.5),
+        SamplingParams(**greedy, presence_penalty=1.0, frequency_penalty=0.5),
+        SamplingParams(**greedy, allowed_token_ids=[
+            t for t in range(tokenizer.get_vocab_size()) if t not in plain[2][1:4]]),
+        SamplingParams(**greedy, bad_words=[tokenizer.decode(plain[3][4:6])]),
+        SamplingParams(temperature=0.0, max_tokens=32, min_tokens=12, stop_token_ids=[stop]),
+    ]
+    expected = _processed_greedy(trained, None, params)
+    for prompt in range(4):
+        assert expected["tokens"][prompt] != plain[prompt], f"prompt {prompt}: no effect"
+    assert len(expected["tokens"][4]) >= 12 and stop in plain[4][:3]
+    speculative = _processed_greedy(trained, tfm_config(trained, "weaver", 33), params)
+    assert_lossless(expected, speculative)
+
+
 def _chi_square_p_value(first: Counter, second: Counter) -> float:
     """Two-sample chi-square homogeneity test, rare categories pooled."""
     total_a, total_b = sum(first.values()), sum(second.values())

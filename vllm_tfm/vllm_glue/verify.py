@@ -1,17 +1,23 @@
 """Tree verification inside vLLM's sampling step.
 
 Replaces the chain rejection sampler for a step that scored draft trees:
-the target's logits of every node go through vLLM's own temperature /
-top-k / top-p processing, then the drafting core's verifiers accept one
-root-to-node path plus a bonus token per request. Greedy requests always use
-the greedy verifier (their target distribution is a point mass); sampled
-requests use ``verify`` ("auto" = traversal).
+the target's logits of every node go through the request-level processing
+vLLM's chain sampler applies to draft positions (presence / frequency /
+repetition penalties, allowed token ids, bad words, min_tokens), each node
+seeing the request's output followed by its own root-to-node path, then
+through vLLM's own temperature / top-k / top-p processing; the drafting
+core's verifiers accept one root-to-node path plus a bonus token per request.
+Greedy requests always use the greedy verifier (their target distribution is
+a point mass); sampled requests use ``verify`` ("auto" = traversal).
 """
 
 from __future__ import annotations
 
 import torch
 from vllm.v1.outputs import SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+from vllm.v1.sample.ops.bad_words import apply_bad_words
+from vllm.v1.sample.ops.penalties import apply_all_penalties
 from vllm.v1.sample.rejection_sampler import apply_sampling_constraints
 
 from vllm_tfm.drafting.tree import DraftTree
@@ -38,6 +44,69 @@ def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor) -
     rows = (ends - count).view(-1, 1) + node
     valid = node < count.view(-1, 1)
     return logits[torch.where(valid, rows, 0)] * valid[..., None]
+
+
+def _node_histories(output_token_ids: list[list[int]], tree: DraftTree) -> list[list[int]]:
+    """Per node, row-major over [R, N]: the tokens its logits condition on past the
+    prompt, i.e. the request's output (whose last token is the root) followed by the
+    drafted tokens on the node's path below the root. Padding nodes get the output."""
+    rows, width = tree.tokens.shape
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    depths, counts = tree.depths.tolist(), tree.num_nodes.tolist()
+    histories = []
+    for r in range(rows):
+        paths: list[list[int]] = [[] for _ in range(width)]
+        for j in sorted(range(1, counts[r]), key=depths[r].__getitem__):
+            paths[j] = paths[parents[r][j]] + [tokens[r][j]]
+        output = list(output_token_ids[r])
+        histories.extend(output + path for path in paths)
+    return histories
+
+
+def _min_tokens_state(sampling) -> dict:
+    for processor in sampling.logitsprocs.non_argmax_invariant:
+        if isinstance(processor, MinTokensLogitsProcessor):
+            return processor.min_toks
+    return {}
+
+
+def apply_request_processing(node_logits: torch.Tensor, tree: DraftTree, sampling) -> torch.Tensor:
+    """[R, N, V] node logits after the request-level processing of vLLM's samplers.
+
+    Penalties count the output plus the node's path (as the chain sampler counts
+    the output plus the preceding drafts); min_tokens keeps stop tokens out while
+    the output plus the node's depth is shorter than min_tokens. logit_bias and
+    min_p are refused by vLLM for any speculative method.
+    """
+    rows, width, vocab = node_logits.shape
+    min_tokens = {r: state for r, state in _min_tokens_state(sampling).items() if r < rows}
+    bad_words = {r: words for r, words in sampling.bad_words_token_ids.items() if r < rows}
+    mask = sampling.allowed_token_ids_mask
+    if sampling.no_penalties and not bad_words and not min_tokens and mask is None:
+        return node_logits
+    flat = node_logits.reshape(rows * width, vocab).clone()
+    owner = torch.arange(rows, device=flat.device).repeat_interleave(width)
+    if not sampling.no_penalties or bad_words:
+        histories = _node_histories(sampling.output_token_ids, tree)
+    if not sampling.no_penalties:
+        flat = apply_all_penalties(
+            flat, sampling.prompt_token_ids[owner], sampling.presence_penalties[owner],
+            sampling.frequency_penalties[owner], sampling.repetition_penalties[owner],
+            histories,
+        )
+    if mask is not None:
+        flat.masked_fill_(mask[owner], float("-inf"))
+    if bad_words:
+        apply_bad_words(flat, {r * width + j: words for r, words in bad_words.items()
+                               for j in range(width)}, histories)
+    if min_tokens:
+        depths = tree.depths.to(flat.device)
+        for r, (minimum, output, stop_ids, _) in min_tokens.items():
+            short = (len(output) + depths[r] < minimum).nonzero()[:, 0]
+            if stop_ids and short.numel():
+                stops = torch.tensor(sorted(stop_ids), device=flat.device)
+                flat[(r * width + short)[:, None], stops] = float("-inf")
+    return flat.view(rows, width, vocab)
 
 
 def _request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
@@ -74,8 +143,9 @@ def verify_trees(
     """Accept one path per request.
 
     Args:
-        logits: [R, N, V] raw target logits per node; processed: the same
-            after temperature / top-k / top-p; is_greedy: [R] bool.
+        logits: [R, N, V] target logits per node after the request-level
+            processing; processed: the same after temperature / top-k / top-p;
+            is_greedy: [R] bool.
     """
     greedy = verify_greedy(tree, logits, validate=False)
     if bool(is_greedy.all()):
@@ -92,17 +162,18 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     num_nodes = step.meta.num_nodes
     tree = runner.drafter.scheduled_trees(step.req_ids, num_nodes)
     raw = logits.float()
-    node_logits = _node_logits(raw, spec_metadata, num_nodes)
+    node_logits = apply_request_processing(_node_logits(raw, spec_metadata, num_nodes), tree,
+                                           sampling)
     is_greedy = torch.ones(num_reqs, dtype=torch.bool, device=raw.device)
     processed = node_logits
     if not sampling.all_greedy:
         is_greedy = sampling.temperature[:num_reqs] < _GREEDY_TEMPERATURE_EPS
-        processed = _node_logits(
-            apply_sampling_constraints(
-                raw.clone(), spec_metadata.cu_num_sampled_tokens, sampling
-            ),
-            spec_metadata, num_nodes,
-        )
+        width = node_logits.shape[1]
+        # Every request owns `width` consecutive rows of the flattened node logits.
+        cu_rows = width * torch.arange(1, num_reqs + 1, dtype=torch.int32, device=raw.device)
+        processed = apply_sampling_constraints(
+            node_logits.flatten(0, 1).clone(), cu_rows, sampling
+        ).view_as(node_logits)
     if options.verify == "greedy":
         is_greedy = torch.ones_like(is_greedy)
     seeds = _request_seeds(sampling, num_reqs, raw.device)
