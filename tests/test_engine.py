@@ -299,6 +299,29 @@ def test_incompatible_engine_settings_are_rejected(family, setting, message):
         make_llm(family, tfm_config(family), **setting)
 
 
+def test_request_options_a_tree_cannot_honour_fail_that_request_only(family, baseline):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+
+    llm = make_llm(family, tfm_config(family, budget=7))
+    refused = [
+        ("structured_outputs",
+         SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))),
+        ("thinking_token_budget", SamplingParams(max_tokens=4, thinking_token_budget=8)),
+    ]
+    for name, params in refused:
+        with pytest.raises(VLLMValidationError, match=f"{name} is not supported.*dflash_tfm"):
+            llm.generate([PROMPTS[0]], params, use_tqdm=False)
+    # The engine keeps serving.
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    output = llm.generate([PROMPTS[3]], greedy, use_tqdm=False)[0].outputs[0]
+    del llm  # before the next engine starts: its teardown resets global state
+    gc.collect()
+    assert_lossless({"tokens": [baseline["tokens"][3]], "margins": [baseline["margins"][3]]},
+                    {"tokens": [list(output.token_ids)]})
+
+
 def test_plugin_registration_is_idempotent_and_lists_its_patches():
     from vllm_tfm.vllm_glue import PATCHES, applicable_patches, register
 
@@ -338,6 +361,7 @@ def test_openai_server_answers_with_dflash_tfm(family):
     import subprocess
     import sys
     import time
+    import urllib.error
     import urllib.request
 
     port = _free_port()
@@ -374,6 +398,20 @@ def test_openai_server_answers_with_dflash_tfm(family):
         })
         assert chat["choices"][0]["message"]["content"]
         assert chat["usage"]["completion_tokens"] == 8
+        # A request the tree path cannot honour gets a 400 naming the field; the
+        # server keeps answering.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            _post(f"{base}/v1/completions", {
+                "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 4,
+                "structured_outputs": {"regex": "[a-z]+"},
+            })
+        assert refused.value.code == 400
+        assert "structured_outputs" in refused.value.read().decode()
+        again = _post(f"{base}/v1/completions", {
+            "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 12,
+            "temperature": 0, "return_token_ids": True,
+        })
+        assert again["choices"][0]["token_ids"] == choice["token_ids"]
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

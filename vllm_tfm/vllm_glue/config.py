@@ -12,11 +12,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import weakref
+
 from vllm_tfm.options import METHOD, TfmOptions, split_speculative_config
 
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 # The one GPU attention backend whose forward the tree path wraps.
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
+# Request options whose draft-time handling in vLLM assumes one chain of drafts.
+UNSUPPORTED_REQUEST_OPTIONS = ("structured_outputs", "thinking_token_budget")
+# The SpeculativeConfig objects of engines running dflash_tfm (vLLM only knows them
+# as "dflash"), keyed by id; entries die with their engine.
+_TREE_SPECULATIVE_CONFIGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def tfm_options(vllm_config) -> TfmOptions | None:
@@ -66,9 +73,29 @@ def wrap_create_engine_config(original):
             (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
              self.attention_backend) = saved
         check_against_target(config, options)
+        _TREE_SPECULATIVE_CONFIGS[id(config.speculative_config)] = config.speculative_config
         return config
 
     return create_engine_config
+
+
+def wrap_validate_spec_decode(original):
+    @functools.wraps(original)
+    def _validate_spec_decode(self, speculative_config):
+        original(self, speculative_config)
+        if _TREE_SPECULATIVE_CONFIGS.get(id(speculative_config)) is not speculative_config:
+            return
+        from vllm.exceptions import VLLMValidationError
+
+        for name in UNSUPPORTED_REQUEST_OPTIONS:
+            if getattr(self, name, None) is not None:
+                raise VLLMValidationError(
+                    f"{name} is not supported with speculative method '{METHOD}' yet "
+                    "(vLLM checks drafts against it as one chain, not a tree)",
+                    parameter=name,
+                )
+
+    return _validate_spec_decode
 
 
 def _check_engine_args(engine_args) -> None:

@@ -54,6 +54,12 @@ PATCHES: tuple[Patch, ...] = (
         "and run it as a dflash drafter whose budget is num_speculative_tokens",
     ),
     Patch(
+        "vllm.sampling_params", "SamplingParams._validate_spec_decode",
+        f"{_GLUE}.config:wrap_validate_spec_decode",
+        "refuse, per request, structured outputs and thinking budgets under dflash_tfm: "
+        "vLLM checks drafts against them as one chain, not a tree",
+    ),
+    Patch(
         _RUNNER, "GPUModelRunner.__init__", f"{_GLUE}.runner:wrap_init",
         "swap the DFlash proposer for the tree proposer when dflash_tfm is on",
     ),
