@@ -205,6 +205,33 @@ def test_sampling_matches_the_target_distribution(family, verify):
     assert _chi_square_p_value(reference, speculative) > 1e-3
 
 
+def test_contexts_reaching_max_model_len_stay_lossless(trained):
+    """Near max_model_len vLLM stops drafting (the drafter's context would not fit) and
+    trims scheduled drafts: trees give way to plain decoding, output unchanged."""
+    from vllm import SamplingParams
+
+    from training.data import heldout_prompts, load_tokenizer
+
+    lengths = (380, 430, 470)
+    windows = heldout_prompts(load_tokenizer(trained.target), len(lengths), max(lengths))
+    prompts = [{"prompt_token_ids": row[:length].tolist()}
+               for row, length in zip(windows, lengths)]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=2)
+    runs = []
+    for config in (None, tfm_config(trained, "weaver", 64)):
+        llm = make_llm(trained, config, max_num_seqs=4)
+        runs.append([o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)])
+        del llm  # before the next engine starts: its teardown resets global state
+        gc.collect()
+    plain, speculative = runs
+    assert [len(o.token_ids) for o in speculative] == [512 - length for length in lengths]
+    top2 = [[sorted((e.logprob for e in p.values()), reverse=True)[:2] for p in o.logprobs]
+            for o in plain]
+    margins = [[first - second for first, second in row] for row in top2]
+    assert_lossless({"tokens": [list(o.token_ids) for o in plain], "margins": margins},
+                    {"tokens": [list(o.token_ids) for o in speculative]})
+
+
 def test_sampling_with_penalties_matches_the_target_distribution(trained):
     """Sampled requests with penalties: the number of distinct tokens per sequence (what
     presence / repetition penalties act on) follows no-speculation decoding. Skipping the

@@ -43,6 +43,7 @@ class TreeProposer(DFlashProposer):
         self._parents_cpu: np.ndarray | None = None
         self._target_hidden: torch.Tensor | None = None
         self._pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._drafted = False
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -70,6 +71,12 @@ class TreeProposer(DFlashProposer):
             self._target_hidden = None
             return
         self._target_hidden = hidden_states.index_select(0, step.bonus_rows())
+
+    def take_drafted(self) -> bool:
+        """Whether trees were drafted since the last call (vLLM skips drafting when a
+        context gets too close to max_model_len)."""
+        drafted, self._drafted = self._drafted, False
+        return drafted
 
     def scheduled_parents(self, req_id: str, num_nodes: int) -> np.ndarray:
         """Parents of the first ``num_nodes`` nodes of the tree drafted for ``req_id``."""
@@ -124,6 +131,7 @@ class TreeProposer(DFlashProposer):
             req_id: row for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch])
         }
         self._parents_cpu = trees.parents.cpu().numpy()
+        self._drafted = True
         return self._draft_token_ids(trees)
 
     def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:

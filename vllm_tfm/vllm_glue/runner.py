@@ -169,6 +169,11 @@ def wrap_take_draft_token_ids(original):
         drafts = original(self)
         if drafts is None or not _enabled(self):
             return drafts
+        if not self.drafter.take_drafted():
+            # vLLM skipped drafting (a context too close to max_model_len) and
+            # left zero placeholders; they form no tree, so schedule none.
+            drafts.draft_token_ids = [[] for _ in drafts.draft_token_ids]
+            return drafts
         # Trees smaller than the budget are padded with -1: drop the padding.
         drafts.draft_token_ids = [
             [token for token in row if token >= 0] for row in drafts.draft_token_ids
