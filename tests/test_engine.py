@@ -21,23 +21,18 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tiny_family import (  # noqa: E402
+    CPU_ENGINE_KWARGS,
     PROMPTS,
     build_family,
     compare_greedy,
     engine_greedy,
+    top2_margins,
     trained_family,
 )
 
 pytestmark = pytest.mark.engine
 
-ENGINE_KWARGS = dict(
-    dtype="bfloat16",
-    enforce_eager=True,
-    enable_prefix_caching=False,
-    kv_cache_memory_bytes=64 << 20,
-    max_model_len=512,
-    seed=0,
-)
+ENGINE_KWARGS = CPU_ENGINE_KWARGS
 
 
 @pytest.fixture(scope="module")
@@ -120,11 +115,7 @@ def _processed_greedy(trained, speculative_config, params) -> dict:
     gc.collect()
     result = {"tokens": [list(o.token_ids) for o in outputs]}
     if speculative_config is None:
-        result["margins"] = [
-            [top[0] - top[1] for top in (sorted((e.logprob for e in position.values()),
-                                                reverse=True) for position in o.logprobs)]
-            for o in outputs
-        ]
+        result["margins"] = [top2_margins(o.logprobs) for o in outputs]
     return result
 
 
@@ -225,9 +216,7 @@ def test_contexts_reaching_max_model_len_stay_lossless(trained):
         gc.collect()
     plain, speculative = runs
     assert [len(o.token_ids) for o in speculative] == [512 - length for length in lengths]
-    top2 = [[sorted((e.logprob for e in p.values()), reverse=True)[:2] for p in o.logprobs]
-            for o in plain]
-    margins = [[first - second for first, second in row] for row in top2]
+    margins = [top2_margins(o.logprobs) for o in plain]
     assert_lossless({"tokens": [list(o.token_ids) for o in plain], "margins": margins},
                     {"tokens": [list(o.token_ids) for o in speculative]})
 

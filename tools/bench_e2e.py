@@ -23,15 +23,15 @@ from pathlib import Path
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-ENGINE_KWARGS = dict(
-    dtype="bfloat16",
-    enforce_eager=True,
-    enable_prefix_caching=False,
-    kv_cache_memory_bytes=256 << 20,
-    max_model_len=1024,
-    seed=0,
-    disable_log_stats=False,
+from tiny_family import (  # noqa: E402
+    CPU_ENGINE_KWARGS,
+    build_family,
+    top2_margins,
+    trained_family,
 )
+
+ENGINE_KWARGS = {**CPU_ENGINE_KWARGS, "kv_cache_memory_bytes": 256 << 20,
+                 "max_model_len": 1024, "disable_log_stats": False}
 
 
 def configurations(drafter: Path, weaver: Path, budgets: list[int],
@@ -81,16 +81,8 @@ def run_config(target: Path, speculative_config: dict | None, prompts: list,
         "tau": 1 + accepted / drafts if drafts else 1.0,
     }
     if margins:
-        result["margins"] = [
-            [_top2_margin(position) for position in output.outputs[0].logprobs]
-            for output in outputs
-        ]
+        result["margins"] = [top2_margins(output.outputs[0].logprobs) for output in outputs]
     return result
-
-
-def _top2_margin(position: dict) -> float:
-    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
-    return best - second
 
 
 def _spec_counters(llm) -> tuple[int, int]:
@@ -100,7 +92,6 @@ def _spec_counters(llm) -> tuple[int, int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tiny_family import build_family, trained_family
     from training.data import heldout_prompts, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -124,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         family = build_family()
     else:
         family = trained_family(*(() if args.family == "trained" else (args.family,)))
-    rows = heldout_prompts(load_tokenizer(family.target), args.num_prompts, args.prompt_len)
-    prompts = [{"prompt_token_ids": row.tolist()} for row in rows]
+    windows = heldout_prompts(load_tokenizer(family.target), args.num_prompts, args.prompt_len)
+    prompts = [{"prompt_token_ids": window.tolist()} for window in windows]
     rows = []
     drafter = args.dflash or family.dflash
     weaver = args.weaver or family.weaver

@@ -246,15 +246,8 @@ def _timed(llm, prompts, params) -> dict:
               "drafts": drafts, "accepted": accepted,
               "tau": 1 + accepted / drafts if drafts else None}
     if outputs and outputs[0].outputs[0].logprobs:
-        result["margins"] = [
-            [_top2_margin(position) for position in o.outputs[0].logprobs] for o in outputs
-        ]
+        result["margins"] = [tiny_family.top2_margins(o.outputs[0].logprobs) for o in outputs]
     return result
-
-
-def _top2_margin(position: dict) -> float:
-    best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
-    return best - second
 
 
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],

@@ -374,7 +374,7 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _file_digests(root: Path) -> dict[str, str]:
+def file_digests(root: Path) -> dict[str, str]:
     return {
         str(path.relative_to(root)): _sha256(path)
         for path in sorted(root.rglob("*"))
@@ -404,7 +404,7 @@ def load_family(out_dir: str | os.PathLike) -> TinyFamily | None:
     except json.JSONDecodeError:
         return None
     build_hash = family_build_hash()
-    if manifest.get("build_hash") != build_hash or manifest.get("files") != _file_digests(root):
+    if manifest.get("build_hash") != build_hash or manifest.get("files") != file_digests(root):
         return None
     return _family(root, build_hash)
 
@@ -421,7 +421,7 @@ def trained_family(root: str | os.PathLike = TRAINED_DIR) -> TinyFamily:
     if not manifest_path.is_file():
         raise ValueError(f"{root} holds no manifest.json: not a trained family")
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-    present = _file_digests(root)
+    present = file_digests(root)
     for name, digest in manifest["files"].items():
         if present.get(name) != digest:
             state = "missing" if name not in present else "altered"
@@ -453,7 +453,7 @@ def build_family(
         build_target(staging / "target")
         build_dflash(staging / "dflash")
         build_weaver(staging / "weaver.pth")
-        manifest = {"build_hash": build_hash, "files": _file_digests(staging)}
+        manifest = {"build_hash": build_hash, "files": file_digests(staging)}
         _write_json(staging / "manifest.json", manifest)
         if root.exists():
             root.rename(staging.with_name(staging.name + ".old"))
@@ -485,6 +485,15 @@ PROMPTS = (
 # position's top-2 margin differed between a plain and a dflash run by 0.25 nats (median),
 # 1.25 (99th percentile), 1.75 (max of 237); bf16 vs fp32 transformers: 1.24 max of 1024.
 TIE_MARGIN = 1.5
+# vLLM engine settings for the tiny models on CPU (DESIGN §6): bf16, eager, no prefix caching.
+CPU_ENGINE_KWARGS = dict(
+    dtype="bfloat16",
+    enforce_eager=True,
+    enable_prefix_caching=False,
+    kv_cache_memory_bytes=64 << 20,
+    max_model_len=512,
+    seed=0,
+)
 ENGINE_ENV = {
     # Engine core in this process: starts in ~3-14 s (warm-cold) instead of ~35 s.
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -501,6 +510,15 @@ def dflash_speculative_config(drafter: str | os.PathLike) -> dict:
         "model": str(drafter),
         "num_speculative_tokens": DFLASH_BLOCK_SIZE - 1,
     }
+
+
+def top2_margins(logprobs) -> list[float]:
+    """Top-1 minus top-2 logprob at each position of a completion's ``logprobs``."""
+    margins = []
+    for position in logprobs:
+        best, second = sorted((entry.logprob for entry in position.values()), reverse=True)[:2]
+        margins.append(best - second)
+    return margins
 
 
 def engine_greedy(
@@ -523,18 +541,8 @@ def engine_greedy(
     from vllm import LLM, SamplingParams
 
     started = time.perf_counter()
-    llm = LLM(
-        model=str(target),
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=False,
-        kv_cache_memory_bytes=64 << 20,
-        max_model_len=512,
-        max_num_seqs=len(prompts),
-        seed=0,
-        speculative_config=speculative_config,
-        disable_log_stats=False,
-    )
+    llm = LLM(model=str(target), max_num_seqs=len(prompts), speculative_config=speculative_config,
+              disable_log_stats=False, **CPU_ENGINE_KWARGS)
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outputs = llm.generate(list(prompts), params, use_tqdm=False)
@@ -542,11 +550,7 @@ def engine_greedy(
     for output in outputs:
         completion = output.outputs[0]
         result["tokens"].append(list(completion.token_ids))
-        margins = []
-        for position in completion.logprobs:
-            top = sorted((entry.logprob for entry in position.values()), reverse=True)
-            margins.append(top[0] - top[1])
-        result["margins"].append(margins)
+        result["margins"].append(top2_margins(completion.logprobs))
     if speculative_config is None:
         chat = llm.chat(
             [{"role": "user", "content": "Write a function."}],

@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from training import data  # noqa: E402  (training hides fla before transformers loads)
+import tiny_family  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -85,10 +86,6 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool) -> dict[
     }
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def data_split() -> dict:
     """The standard-library split the family was trained and evaluated on."""
     train = data.stdlib_sources("train")
@@ -106,13 +103,8 @@ def data_split() -> dict:
 def write_manifest(out: Path, stages: dict[str, list[str]], results: dict) -> dict:
     import transformers
 
-    files = {
-        str(path.relative_to(out)): _sha256(path)
-        for path in sorted(out.rglob("*"))
-        if path.is_file() and path.name != "manifest.json"
-    }
     manifest = {
-        "files": files,
+        "files": tiny_family.file_digests(out),
         "recipe": {name: shlex.join(["python", f"tools/train_{name}.py", *args])
                    for name, args in stages.items()},
         "results": results,
@@ -131,8 +123,6 @@ def write_manifest(out: Path, stages: dict[str, list[str]], results: dict) -> di
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if args.base is None:
-        import tiny_family
-
         args.base = str(tiny_family.build_family().root)
     out, work, base = Path(args.out), Path(args.work), Path(args.base)
     stages = recipe(out, work, base, args.device, args.smoke)
