@@ -8,7 +8,8 @@ per verify step, bonus included, from vLLM's spec-decode counters).
     python tools/bench_e2e.py --family random --budgets 16 64 --max-tokens 128
 
 Prompts are --num-prompts windows of --prompt-len tokens from the held-out standard-library
-modules (tools/training/data.py), given to vLLM as token ids.
+modules (tools/training/data.py), given to vLLM as token ids. --breakdown also prints where
+each engine step's time goes (target forward, DFlash pass, tree build, the rest).
 """
 
 from __future__ import annotations
@@ -52,11 +53,66 @@ def configurations(drafter: Path, weaver: Path, budgets: list[int],
     return configs
 
 
+class StepBreakdown:
+    """Wall time of the stages of each engine step, from timers around the model runner's
+    and the tree proposer's methods (the engine must run in this process)."""
+
+    STAGES = {
+        "forward": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "_model_forward"),
+        "execute": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "execute_model"),
+        "sample": ("vllm.v1.worker.gpu_model_runner:GPUModelRunner", "sample_tokens"),
+        "propose": ("vllm_tfm.vllm_glue.proposer:TreeProposer", "propose"),
+        "tree": ("vllm_tfm.vllm_glue.proposer:TreeProposer", "_grow_trees"),
+    }
+
+    def __init__(self):
+        import importlib
+
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.steps = 0
+        self._originals = []
+        for stage, (owner, name) in self.STAGES.items():
+            module, cls = owner.split(":")
+            cls = getattr(importlib.import_module(module), cls)
+            original = getattr(cls, name)
+            self._originals.append((cls, name, original))
+            setattr(cls, name, self._timed(stage, original))
+
+    def _timed(self, stage: str, original):
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[stage] += time.perf_counter() - started
+                self.steps += stage == "execute"
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.STAGES, 0.0)
+        self.steps = 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        """ms per engine step: target forward, DFlash pass, tree build, the rest of the
+        step (input preparation, verification, commit, bookkeeping). The DFlash pass and
+        tree build are the tree proposer's: vLLM's own dflash drafting lands in the rest."""
+        t = {stage: 1000 * value / max(self.steps, 1) for stage, value in self.seconds.items()}
+        return {"target forward": t["forward"], "DFlash pass": t["propose"] - t["tree"],
+                "tree build": t["tree"],
+                "rest": t["execute"] + t["sample"] - t["forward"] - t["propose"]}
+
+    def close(self) -> None:
+        for cls, name, original in self._originals:
+            setattr(cls, name, original)
+
+
 def run_config(target: Path, speculative_config: dict | None, prompts: list,
                max_tokens: int, temperature: float = 0.0, max_num_seqs: int = 8,
-               margins: bool = False) -> dict:
-    """Generate ``max_tokens`` per prompt; returns tokens, tokens/s and tau, and
-    with ``margins`` each position's top-2 logprob margin (``margins`` key)."""
+               margins: bool = False, breakdown: StepBreakdown | None = None) -> dict:
+    """Generate ``max_tokens`` per prompt; returns tokens, tokens/s and tau, with
+    ``margins`` each position's top-2 logprob margin (``margins`` key), and with a
+    ``breakdown`` the measured generation's ms per step by stage (``steps_ms`` key)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=str(target), speculative_config=speculative_config,
@@ -65,6 +121,8 @@ def run_config(target: Path, speculative_config: dict | None, prompts: list,
                             max_tokens=max_tokens, ignore_eos=True,
                             logprobs=2 if margins else None)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    if breakdown:
+        breakdown.reset()
     before = _spec_counters(llm)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -82,6 +140,8 @@ def run_config(target: Path, speculative_config: dict | None, prompts: list,
     }
     if margins:
         result["margins"] = [top2_margins(output.outputs[0].logprobs) for output in outputs]
+    if breakdown:
+        result["steps_ms"] = breakdown.per_step_ms()
     return result
 
 
@@ -109,6 +169,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--json-out", type=Path, default=None)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the stages of each engine step (ms per step)")
     args = parser.parse_args(argv)
 
     if args.family == "random":
@@ -120,10 +182,12 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     drafter = args.dflash or family.dflash
     weaver = args.weaver or family.weaver
+    breakdown = StepBreakdown() if args.breakdown else None
     for label, config in configurations(drafter, weaver, args.budgets, args.trees):
-        result = run_config(family.target, config, prompts, args.max_tokens, args.temperature)
+        result = run_config(family.target, config, prompts, args.max_tokens, args.temperature,
+                            breakdown=breakdown)
         rows.append({"config": label, "tokens_per_s": result["tokens_per_s"],
-                     "tau": result["tau"]})
+                     "tau": result["tau"], "steps_ms": result.get("steps_ms")})
         print(f"{label:32s} {result['tokens_per_s']:9.1f} tok/s   tau {result['tau']:.2f}",
               flush=True)
     base = rows[0]["tokens_per_s"]
@@ -131,6 +195,15 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         print(f"| {row['config']} | {row['tokens_per_s']:.1f} | "
               f"{row['tokens_per_s'] / base:.2f}x | {row['tau']:.2f} |")
+    if breakdown:
+        breakdown.close()
+        stages = list(rows[0]["steps_ms"])
+        print("\nms per engine step (the whole batch):\n")
+        print("| configuration | " + " | ".join(stages) + " |\n|---|"
+              + "--:|" * len(stages))
+        for row in rows:
+            print(f"| {row['config']} | "
+                  + " | ".join(f"{row['steps_ms'][stage]:.1f}" for stage in stages) + " |")
     if args.json_out:
         args.json_out.write_text(json.dumps(rows, indent=2))
 
