@@ -304,6 +304,41 @@ def test_invalid_options_fail_before_the_engine_starts(family, overrides, messag
         make_llm(family, config)
 
 
+def test_candidate_pool_defaults_to_the_weaver_checkpoint(family, baseline, tmp_path):
+    """The minimal config with a Weaver trained on a pool of 32 (not 512) starts,
+    drafts from pools of 32 and stays lossless; an explicit larger pool is refused."""
+    from tiny_family import WEAVER_CONFIG
+
+    from vllm_tfm.drafting.weaver import WeaverConfig
+    from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public
+
+    weaver_path = tmp_path / "pool32_weaver.pth"
+    weaver_config = WeaverConfig(**{**WEAVER_CONFIG, "candidate_pool_size": 32})
+    save_weaver_public(random_weaver(weaver_config, seed=1), weaver_path)
+    minimal = {"method": "dflash_tfm", "model": str(family.dflash),
+               "num_speculative_tokens": 33, "weaver": str(weaver_path)}
+    result = engine_greedy(family.target, minimal, PROMPTS, max_tokens=32)
+    assert_lossless(baseline, result)
+
+    llm = make_llm(family, minimal)
+    options = llm.llm_engine.vllm_config.additional_config["dflash_tfm"]
+    assert options["candidate_pool"] == 32
+    proposer = llm.llm_engine.model_executor.driver_worker.worker.model_runner.drafter
+    assert proposer.options.candidate_pool == 32
+    del llm, proposer
+    gc.collect()
+    with pytest.raises(ValueError, match=r"candidate_pool'\] = 64 exceeds the Weaver's "
+                                         r"candidate_pool_size 32"):
+        make_llm(family, {**minimal, "candidate_pool": 64})
+
+
+def test_baseline_trees_default_to_a_pool_of_512(family):
+    llm = make_llm(family, tfm_config(family, "ddtree", 7))
+    assert llm.llm_engine.vllm_config.additional_config["dflash_tfm"]["candidate_pool"] == 512
+    del llm
+    gc.collect()
+
+
 def test_mismatched_weaver_and_drafter_are_rejected(family, tmp_path):
     import json
     import shutil

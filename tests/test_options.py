@@ -2,7 +2,13 @@
 
 import pytest
 
-from vllm_tfm.options import DEFAULT_BUDGET, MAX_BUDGET, TfmOptions, split_speculative_config
+from vllm_tfm.options import (
+    DEFAULT_BUDGET,
+    MAX_BUDGET,
+    TfmOptions,
+    resolve_candidate_pool,
+    split_speculative_config,
+)
 
 VLLM_KEYS = {"method", "model", "num_speculative_tokens", "draft_tensor_parallel_size"}
 
@@ -18,7 +24,7 @@ def test_defaults_and_translation(tmp_path):
     options, vllm_config = split(tmp_path)
     assert options.budget == DEFAULT_BUDGET
     assert (options.tree, options.verify, options.fanout, options.candidate_pool) == (
-        "weaver", "auto", 8, 512)
+        "weaver", "auto", 8, None)
     assert options.resolved_expand_width == 4  # ceil(64 / 16)
     assert vllm_config == {"method": "dflash", "model": "drafter",
                            "num_speculative_tokens": DEFAULT_BUDGET}
@@ -52,7 +58,7 @@ def test_dashed_keys_are_accepted(tmp_path):
         ({"weaver": None}, r"speculative_config\['weaver'\] is required"),
         ({"weaver": "/no/such/weaver.pth"}, r"weaver'\] = '/no/such/weaver.pth' does not exist"),
         ({"fanout": 0}, r"fanout'\] must be in"),
-        ({"fanout": 600}, r"fanout'\] must be in \[1, 512\]"),
+        ({"fanout": 600, "candidate_pool": 512}, r"fanout'\] must be in \[1, 512\]"),
         ({"expand_width": 33}, r"expand_width'\] must be in \[1, 32\]"),
         ({"candidate_pool": True}, r"candidate_pool'\] must be an integer"),
     ],
@@ -60,3 +66,35 @@ def test_dashed_keys_are_accepted(tmp_path):
 def test_bad_options_name_the_field(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         split(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize(
+    "tree, explicit, vocab, weaver_pool, expected",
+    [
+        ("weaver", None, 1024, 32, 32),  # the Weaver's candidate_pool_size
+        ("weaver", 16, 1024, 32, 16),  # a smaller explicit pool is allowed
+        ("ddtree", None, 1024, None, 512),
+        ("chain", None, 40, None, 40),  # min(512, vocabulary)
+    ],
+)
+def test_candidate_pool_comes_from_the_checkpoints(tree, explicit, vocab, weaver_pool,
+                                                   expected):
+    options = TfmOptions(tree=tree, candidate_pool=explicit, fanout=4)
+    assert resolve_candidate_pool(options, vocab, weaver_pool).candidate_pool == expected
+
+
+@pytest.mark.parametrize(
+    "explicit, fanout, vocab, weaver_pool, message",
+    [
+        (64, 8, 1024, 32, r"candidate_pool'\] = 64 exceeds the Weaver's candidate_pool_size 32"),
+        (2000, 8, 1024, None, r"candidate_pool'\] must be <= the vocabulary size 1024, got 2000"),
+        (None, 8, 40, 512, r"weaver'\]: candidate_pool_size 512 exceeds the target's "
+                          r"vocabulary size 40"),
+        (None, 64, 1024, 32, r"fanout'\] must be in \[1, 32\]"),
+    ],
+)
+def test_candidate_pool_against_the_checkpoints_names_the_field(explicit, fanout, vocab,
+                                                                weaver_pool, message):
+    options = TfmOptions(candidate_pool=explicit, fanout=fanout)
+    with pytest.raises(ValueError, match=message):
+        resolve_candidate_pool(options, vocab, weaver_pool)

@@ -241,3 +241,87 @@ def test_bad_inputs_name_the_argument():
         tree_kv_commit(keys, values, *args, torch.tensor([4, 2]))
     with pytest.raises(ValueError, match="prefix_lens"):
         tree_kv_commit(keys, values, block_table, torch.tensor([10, 60]), meta, leaf)
+
+
+# Memory orders of tiled views, outermost first, over the view's dims (block,
+# token tile, token in tile, head, channel tile, channel in tile): like CPU_ATTN's
+# AMX keys, its AMX values, and one that no backend uses.
+AMX_KEY_ORDER = (0, 3, 1, 4, 2, 5)
+AMX_VALUE_ORDER = (0, 3, 4, 1, 5, 2)
+ODD_ORDER = (4, 0, 2, 3, 5, 1)
+
+
+def tiled_copy(cache: torch.Tensor, token_tile: int, channel_tile: int, order) -> torch.Tensor:
+    """A tiled [num_blocks, bs / TL, TL, Hkv, D / DL, DL] view holding ``cache``'s
+    bits (NaN padding included), over a buffer laid out in ``order``."""
+    num_blocks, block_size, Hkv, D = cache.shape
+    shape = (num_blocks, block_size // token_tile, token_tile, Hkv, D // channel_tile, channel_tile)
+    buffer = torch.empty([shape[dim] for dim in order], dtype=cache.dtype)
+    tiled = buffer.permute([order.index(dim) for dim in range(6)])
+    tiled.copy_(cache.unflatten(3, shape[4:]).unflatten(1, shape[1:3]))
+    return tiled
+
+
+def untiled(cache: torch.Tensor) -> torch.Tensor:
+    return cache.flatten(4, 5).flatten(1, 2)
+
+
+# (tree kinds, num_nodes, prefix_lens, block_size, Hkv, G, D, dtype, window, soft cap,
+#  key tiles (TL, DL, order), value tiles)
+TILED_CASES = [
+    (("random", "star"), (9, 4), (40, 2), 32, 2, 2, 64, torch.bfloat16, None, None,
+     (16, 2, AMX_KEY_ORDER), (2, 16, AMX_VALUE_ORDER)),
+    (("forest", "deep", "chain"), (13, 6, 1), (0, 70, 33), 64, 1, 3, 128, torch.bfloat16, 7, None,
+     (16, 2, AMX_KEY_ORDER), (2, 16, AMX_VALUE_ORDER)),
+    (("random",), (16,), (100,), 16, 3, 1, 32, torch.float32, None, 4.0,
+     (4, 8, ODD_ORDER), (16, 32, AMX_KEY_ORDER)),
+]
+
+
+@pytest.mark.parametrize("case", TILED_CASES, ids=[f"case{i}" for i in range(len(TILED_CASES))])
+def test_tiled_caches_match_plain(case):
+    kinds, num_nodes, prefix_lens, bs, Hkv, G, D, dtype, window, soft_cap = case[:10]
+    key_tiles, value_tiles = case[10:]
+    seed = 1000 + TILED_CASES.index(case)
+    print(f"seed {seed}")
+    gen = torch.Generator().manual_seed(seed)
+    N = max(num_nodes)
+    meta = make_meta(kinds, num_nodes, N, gen)
+    keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, Hkv, D, bs,
+                                                    "contiguous", dtype, gen, num_layers=2)
+    tiled_k = [tiled_copy(k, *key_tiles) for k in keys]
+    tiled_v = [tiled_copy(v, *value_tiles) for v in values]
+    prefix = torch.tensor(prefix_lens, dtype=torch.int32)
+    q = torch.randn(len(kinds), N, Hkv * G, D, generator=gen).to(dtype)
+    args = (block_table, prefix, meta, 0.8 * D**-0.5, window, soft_cap)
+    plain = tree_attention(q, keys[0], values[0], *args, backend="torch")
+    tiled = tree_attention(q, tiled_k[0], tiled_v[0], *args, backend="torch")
+    assert torch.equal(tiled, plain)
+
+    for node in (-1, 0, N // 2, N - 1):
+        leaf = torch.tensor([node if node < n else n - 1 for n in num_nodes])
+        got_k, got_v = [k.clone() for k in tiled_k], [v.clone() for v in tiled_v]
+        ref_k, ref_v = [k.clone() for k in keys], [v.clone() for v in values]
+        tree_kv_commit(got_k, got_v, block_table, prefix, meta, leaf, backend="torch")
+        tree_kv_commit(ref_k, ref_v, block_table, prefix, meta, leaf, backend="torch")
+        for got, ref in zip(got_k + got_v, ref_k + ref_v):
+            assert same_bits(untiled(got), ref)
+
+
+def test_triton_refuses_tiled_caches():
+    gen = torch.Generator().manual_seed(5)
+    num_nodes, prefix_lens = (4, 3), (10, 0)
+    meta = make_meta(("chain", "star"), num_nodes, 4, gen)
+    keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 32, 16,
+                                                    "contiguous", torch.float32, gen)
+    tiled_k = tiled_copy(keys[0], 16, 2, AMX_KEY_ORDER)
+    tiled_v = tiled_copy(values[0], 2, 16, AMX_VALUE_ORDER)
+    q = torch.randn(2, 4, 4, 32, generator=gen)
+    args = (block_table, torch.tensor(prefix_lens), meta)
+    for key_cache, value_cache, name in ((tiled_k, values[0], "key_cache"),
+                                         (keys[0], tiled_v, "value_cache")):
+        with pytest.raises(ValueError, match=f"{name} must be a plain .* CPU-only"):
+            tree_attention(q, key_cache, value_cache, *args, 0.2, backend="triton")
+    leaf = torch.tensor([3, 2])
+    with pytest.raises(ValueError, match=r"value_caches\[0\] must be a plain .* CPU-only"):
+        tree_kv_commit(keys, [tiled_v], *args, leaf, backend="triton")

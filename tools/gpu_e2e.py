@@ -2,6 +2,7 @@
 
     python tools/gpu_e2e.py build DIR                 # models; any machine (CPU is fine)
     python tools/gpu_e2e.py run --models DIR --out OUT [--max-tokens 48] [--deadline-s 330]
+                                [--cudagraphs off|full-decode|default]
 
 On the lent H200 (device call carrying [".gpu-vllm", DIR], payload from
 shared/gpu-vllm/build_payload.sh; the whole table took ~290 s of one call):
@@ -25,6 +26,10 @@ with the tiny family's initialisation (tools/tiny_family.py).
 - prints one table (tokens/s and mean accepted length per configuration, from vLLM's
   spec-decode counters) and writes OUT/gpu_e2e.md and OUT/gpu_e2e.json after every
   configuration (a time-out keeps what finished).
+
+`--cudagraphs` picks the compilation settings (`CUDA_GRAPH_SETTINGS`); the report counts the
+target forwards of each engine by the CUDA-graph mode vLLM dispatched, for steps with trees
+and the others, and fails a configuration whose tree steps replayed a graph.
 
 `--staggered` admits the prompts 4 at a time with different output lengths, so requests
 finish at different steps and new prompts are prefilled beside running trees: it requires
@@ -105,7 +110,7 @@ WEAVER_KERNELS = {"triton_ops.pool_logits.pool_logits._pool_logits_kernel": "poo
 
 HARNESS_LIMITS = (
     "Harness limits: vLLM 0.32's Python code on torch 2.11 without its compiled ops "
-    "(shared/gpu-vllm): eager only (no CUDA graphs, no torch.compile), TRITON_ATTN, Triton GDN, "
+    "(shared/gpu-vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
     "norms/RoPE/SiLU in pure torch, model runner V1, tiny random models (hidden 256, 8 layers, "
     "random drafter and Weaver: acceptance is low). Timings are functional, not performance."
 )
@@ -178,6 +183,29 @@ def count_mixed_gdn_calls() -> None:
     cuda_gdn._forward_prompt_rows = forward_prompt_rows
 
 
+def count_graph_dispatch() -> None:
+    """Count target forwards by CUDA-graph mode, split into steps with and without trees."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._determine_batch_execution_and_padding
+
+    def determine(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if "force_uniform_decode" in kwargs:  # a dummy run (capture, profiling)
+            return result
+        step = getattr(self, "_tfm_step", None)
+        kind = "tree" if step is not None and step.has_trees else "other"
+        LAUNCHES[f"{kind} steps, graph mode {result[0].name}"] += 1
+        return result
+
+    GPUModelRunner._determine_batch_execution_and_padding = determine
+
+
+def graph_summary(launches: dict) -> str:
+    return ", ".join(f"{name} {count}" for name, count in sorted(launches.items())
+                     if " steps, graph mode " in name) or "-"
+
+
 def missing_kernels(launches: dict, tree: str, staggered: bool) -> list[str]:
     required = dict(TREE_KERNELS)
     if staggered:
@@ -200,6 +228,17 @@ ENGINE_KWARGS = dict(
     compilation_config={"custom_ops": ["none"]}, attention_config={"backend": "TRITON_ATTN"},
     additional_config={"gdn_prefill_backend": "triton"}, disable_log_stats=False,
 )
+
+
+# Compilation settings by --cudagraphs. "default" is vLLM's own (torch.compile, FULL and
+# PIECEWISE graphs), minus the harness's need for pure-torch custom ops; "full-decode" is
+# the cheapest graphed setting the harness runs (no torch.compile, full decode graphs).
+CUDA_GRAPH_SETTINGS = {
+    "off": {},
+    "full-decode": dict(enforce_eager=False, compilation_config={
+        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]}),
+    "default": dict(enforce_eager=False, compilation_config={"custom_ops": ["none"]}),
+}
 
 
 def configurations(models: Path) -> list[tuple[str, str | None, dict | None]]:
@@ -251,7 +290,8 @@ def _timed(llm, prompts, params) -> dict:
 
 
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
-               max_tokens: list[int], with_margins: bool, max_num_seqs: int) -> dict:
+               max_tokens: list[int], with_margins: bool, max_num_seqs: int,
+               cudagraphs: str = "off") -> dict:
     """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
     runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     import torch
@@ -259,7 +299,8 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
 
     started = time.perf_counter()
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
-              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs})
+              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
+                 **CUDA_GRAPH_SETTINGS[cudagraphs]})
     result: dict = {"start_s": time.perf_counter() - started}
     try:
         warm = time.perf_counter()
@@ -290,21 +331,21 @@ def write_report(rows: list[dict], out: Path, header: str) -> str:
     lines = [
         header, "",
         "| configuration | greedy tok/s | greedy tau | sampled tok/s | sampled tau "
-        "| greedy vs no-spec | tree kernels |",
-        "|---|---|---|---|---|---|---|",
+        "| greedy vs no-spec | tree kernels | target forwards by graph mode |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['config']} | FAILED: {row['error'][:120]} | | | | | |")
+            lines.append(f"| {row['config']} | FAILED: {row['error'][:120]} | | | | | | |")
             continue
         if "skipped" in row:
-            lines.append(f"| {row['config']} | skipped ({row['skipped']}) | | | | | |")
+            lines.append(f"| {row['config']} | skipped ({row['skipped']}) | | | | | | |")
             continue
         g, s = row["greedy"], row["sampled"]
         lines.append(
             f"| {row['config']} | {g['tokens_per_s']:.1f} | {_fmt(g['tau'], '.2f')} "
             f"| {s['tokens_per_s']:.1f} | {_fmt(s['tau'], '.2f')} | {row.get('equality', '-')} "
-            f"| {row.get('kernels', '-')} |"
+            f"| {row.get('kernels', '-')} | {graph_summary(row.get('launches', {}))} |"
         )
     lines += ["", HARNESS_LIMITS]
     text = "\n".join(lines) + "\n"
@@ -330,7 +371,7 @@ def _equality(base: dict, spec: dict) -> tuple[str, bool]:
 
 
 def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
-            config_words: list[str] | None) -> int:
+            config_words: list[str] | None, cudagraphs: str = "off") -> int:
     import torch
     import triton
 
@@ -340,6 +381,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     register()  # the plugin's entry point is not installed in the harness: register here
     count_project_kernel_launches()
     count_mixed_gdn_calls()
+    count_graph_dispatch()
     prompts = list(tiny_family.PROMPTS)
     if staggered:
         # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests
@@ -354,7 +396,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         batching = f"{len(prompts)} prompts in one batch, {max_tokens} new tokens each"
     header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
-              f"tau = mean accepted length incl. bonus (vLLM spec-decode counters)")
+              f"tau = mean accepted length incl. bonus (vLLM spec-decode counters); "
+              f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}")
     print(header, flush=True)
     started = time.perf_counter()
     rows: list[dict] = []
@@ -372,7 +415,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         before = collections.Counter(LAUNCHES)
         try:
             result = run_config(models, config, prompts, lengths, with_margins=config is None,
-                                max_num_seqs=max_num_seqs)
+                                max_num_seqs=max_num_seqs, cudagraphs=cudagraphs)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})
@@ -389,7 +432,11 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         elif base is not None:
             row["equality"], ok = _equality(base, result["greedy"])
             failed |= not ok
-        if tree is not None:
+        if tree is not None and any(launches.get(f"tree steps, graph mode {mode}")
+                                    for mode in ("FULL", "PIECEWISE")):
+            row["kernels"] = "TREE STEPS REPLAYED A GRAPH"
+            failed = True
+        elif tree is not None:
             missing = missing_kernels(launches, tree, staggered)
             row["kernels"] = "all ran" if not missing else "MISSING " + ", ".join(missing)
             failed |= bool(missing)
@@ -421,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--configs", nargs="+", default=None,
                      help="keep configurations whose label contains one of these words "
                           "(no speculation always runs: it is the reference)")
+    run.add_argument("--cudagraphs", choices=sorted(CUDA_GRAPH_SETTINGS), default="off",
+                     help="off: enforce_eager; full-decode: mode 0 + FULL_DECODE_ONLY; "
+                          "default: vLLM's default compilation and graphs")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
@@ -433,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
-                   args.configs)
+                   args.configs, args.cudagraphs)
 
 
 if __name__ == "__main__":

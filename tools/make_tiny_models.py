@@ -5,11 +5,13 @@
     python tools/make_tiny_models.py generate --target DIR [--speculative-config JSON] \
         --json-out FILE
     python tools/make_tiny_models.py hf-generate --target DIR --json-out FILE
+    python tools/make_tiny_models.py batch --runs JSON --json-out FILE
 
 `check` runs greedy generation with the target alone and with vLLM's `dflash` method (one
 engine per subprocess) and prints, per prompt, how many greedy tokens agree. `generate`
 (vLLM) and `hf-generate` (transformers, fp32) are the one-process steps that `check` and
-tests/test_tiny_models.py start.
+tests/test_tiny_models.py start; `batch` runs batches of requests with any sampling options,
+one engine per run (`tiny_family.engine_batches`), for tests/test_plugin_inert.py.
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS),
                        help="JSON list of strings")
         p.add_argument("--json-out", type=Path, required=True)
+    p = sub.add_parser("batch", help="batches of requests in vLLM, one engine per run")
+    p.add_argument("--runs", type=json.loads, required=True,
+                   help="JSON list of runs (see tiny_family.engine_batches)")
+    p.add_argument("--json-out", type=Path, required=True)
     args = parser.parse_args(argv)
 
     if args.command == "build":
@@ -90,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "check":
         return _check(args)
+    if args.command == "batch":
+        return _write(args.json_out, tiny_family.engine_batches(args.runs))
     prompts = tuple(args.prompts)
     if args.command == "generate":
         result = tiny_family.engine_greedy(

@@ -311,6 +311,32 @@ def build_target(out_dir: Path) -> None:
     build_tokenizer(out_dir)
 
 
+def build_dense_target(out_dir: Path, tokenizer_dir: Path) -> None:
+    """A dense Qwen3 target with the hybrid target's sizes (every layer full attention) and
+    the tokenizer of `tokenizer_dir`, weights drawn by `_init_value`, saved in bf16.
+
+    The family's drafter drafts for it (same hidden size, vocabulary and layer count), and
+    vLLM's own `dflash` then runs through attention only. vLLM's CPU GDN spec path assumes
+    every step verifies all num_speculative_tokens drafts; structured outputs cut drafts
+    short, and on the hybrid it then decodes wrongly or crashes, with or without plugins.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_act",
+              "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings",
+              "bos_token_id", "eos_token_id", "pad_token_id")
+    config = Qwen3Config(**{key: TARGET_CONFIG[key] for key in shared},
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(_init_value(name, tuple(param.shape), zero_centered_norms=False))
+    model.to(torch.bfloat16).save_pretrained(out_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(Path(tokenizer_dir) / name, Path(out_dir) / name)
+
+
 def dflash_state_dict() -> dict[str, torch.Tensor]:
     """The drafter's tensors under the names vLLM's DFlashQwen3ForCausalLM loads (no
     `model.` prefix, no embed_tokens / lm_head: it shares the target's), fp32."""
@@ -501,6 +527,8 @@ ENGINE_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
+# pyproject's `vllm.general_plugins` entry point; VLLM_PLUGINS lists the plugins vLLM loads.
+PLUGIN_NAME = "dflash_tfm"
 
 
 def dflash_speculative_config(drafter: str | os.PathLike) -> dict:
@@ -565,6 +593,71 @@ def engine_greedy(
     return result
 
 
+def _sampling_params(params: dict):
+    """SamplingParams from JSON-able keyword arguments (`structured_outputs` as a dict,
+    `logit_bias` keyed by token ids that JSON turned into strings)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = dict(params)
+    if "structured_outputs" in params:
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
+    if "logit_bias" in params:
+        params["logit_bias"] = {int(token): bias for token, bias in params["logit_bias"].items()}
+    return SamplingParams(**params)
+
+
+def engine_batches(runs: list[dict]) -> dict:
+    """Each of `runs` in its own vLLM engine, built in this process one after another from
+    `CPU_ENGINE_KWARGS` updated by the run's `engine` (LLM keyword arguments: `model` and e.g.
+    `speculative_config`, `reasoning_config`); its `requests` ({"prompt", "params":
+    SamplingParams keyword arguments}) are generated as one batch, `repeats` times (default 1).
+
+    Returns a JSON-able dict: `patched` (whether vllm-tfm's patches were applied in this
+    process once the engines had started, i.e. whether vLLM loaded the plugin) and `runs`:
+    per run, per repeat, per request `tokens`, `finish_reason`, `logprobs` (per position
+    [[token id, logprob], ...] by id, or None) and `margins` (`top2_margins`, where every
+    position has two logprobs, else None).
+    """
+    import gc
+
+    from vllm import LLM, SamplingParams
+
+    from vllm_tfm.vllm_glue.patches import _MARK
+
+    result: dict = {"runs": []}
+    for run in runs:
+        requests = run["requests"]
+        llm = LLM(**{**CPU_ENGINE_KWARGS, "max_num_seqs": len(requests), **run["engine"]})
+        prompts = [request["prompt"] for request in requests]
+        params = [_sampling_params(request["params"]) for request in requests]
+        repeats = []
+        for _ in range(run.get("repeats", 1)):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            repeats.append([_completion(output.outputs[0]) for output in outputs])
+        result["runs"].append(repeats)
+        del llm  # before the next engine starts: its teardown resets global state
+        gc.collect()
+    result["patched"] = hasattr(SamplingParams._validate_spec_decode, _MARK)
+    return result
+
+
+def _completion(completion) -> dict:
+    logprobs = margins = None
+    if completion.logprobs is not None:
+        logprobs = [sorted([token, entry.logprob] for token, entry in position.items())
+                    for position in completion.logprobs]
+        if all(len(position) >= 2 for position in completion.logprobs):
+            margins = top2_margins(completion.logprobs)
+    return {"tokens": list(completion.token_ids), "finish_reason": completion.finish_reason,
+            "logprobs": logprobs, "margins": margins}
+
+
+def _engine_env(plugins: bool) -> dict[str, str]:
+    """ENGINE_ENV, loading vllm-tfm's plugin only or (VLLM_PLUGINS names none) no plugin."""
+    return {**ENGINE_ENV, "VLLM_PLUGINS": PLUGIN_NAME if plugins else ""}
+
+
 def _run_tool(arguments: list[str], timeout_s: float, env: dict[str, str] | None = None) -> dict:
     """Run `make_tiny_models.py <arguments> --json-out FILE` and return FILE's JSON."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -593,14 +686,19 @@ def greedy_in_subprocess(
     plugins: bool = False,
     timeout_s: float = 300.0,
 ) -> dict:
-    """`engine_greedy` in a fresh Python process (one engine per process). Without
-    `plugins`, vLLM loads no general plugins (VLLM_PLUGINS=""): stock vLLM only."""
+    """`engine_greedy` in a fresh Python process (one engine per process). vLLM loads
+    vllm-tfm's plugin only, or without `plugins` none (VLLM_PLUGINS=""): stock vLLM."""
     arguments = ["generate", "--target", str(target), "--max-tokens", str(max_tokens),
                  "--prompts", json.dumps(list(prompts))]
     if speculative_config is not None:
         arguments += ["--speculative-config", json.dumps(speculative_config)]
-    env = dict(ENGINE_ENV) if plugins else {**ENGINE_ENV, "VLLM_PLUGINS": ""}
-    return _run_tool(arguments, timeout_s, env)
+    return _run_tool(arguments, timeout_s, _engine_env(plugins))
+
+
+def batches_in_subprocess(runs: list[dict], plugins: bool, timeout_s: float = 300.0) -> dict:
+    """`engine_batches` in a fresh Python process, with vllm-tfm's plugin loaded or
+    (`plugins` False) stock vLLM only."""
+    return _run_tool(["batch", "--runs", json.dumps(runs)], timeout_s, _engine_env(plugins))
 
 
 def compare_greedy(base: dict, spec: dict, tie_margin: float = TIE_MARGIN) -> list[dict]:

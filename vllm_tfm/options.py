@@ -18,6 +18,8 @@ DEFAULT_BUDGET = 64
 # tile limit and vLLM's MAX_SPEC_LEN).
 MAX_BUDGET = 127
 MAX_EXPAND_WIDTH = 32
+# Pool of a baseline tree (ddtree / chain) when none is given: the paper's top-512.
+DEFAULT_BASELINE_POOL = 512
 # DFlash drafters are trained with a block of 16: bonus token + 15 masks.
 DFLASH_DRAFT_DEPTH = 15
 
@@ -32,7 +34,8 @@ class TfmOptions:
     weaver: str | None = None
     expand_width: int | None = None
     fanout: int = 8
-    candidate_pool: int = 512
+    # None until resolved against the checkpoint (``resolve_candidate_pool``).
+    candidate_pool: int | None = None
     draft_depth: int = DFLASH_DRAFT_DEPTH
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,8 +108,8 @@ def split_speculative_config(
     budget = _int_field(config, "num_speculative_tokens", DEFAULT_BUDGET, 1, MAX_BUDGET)
     tree = _choice_field(config, "tree", "weaver", TREE_KINDS)
     verify = _choice_field(config, "verify", "auto", VERIFY_MODES)
-    candidate_pool = _int_field(config, "candidate_pool", 512, 1, 1 << 20)
-    fanout = _int_field(config, "fanout", 8, 1, candidate_pool)
+    candidate_pool = _int_field(config, "candidate_pool", None, 1, 1 << 20)
+    fanout = _int_field(config, "fanout", 8, 1, candidate_pool or 1 << 20)
     expand_width = _int_field(config, "expand_width", None, 1, MAX_EXPAND_WIDTH)
     weaver = config.get("weaver")
     if tree == "weaver":
@@ -134,3 +137,40 @@ def split_speculative_config(
     vllm_config["method"] = "dflash"
     vllm_config["num_speculative_tokens"] = budget
     return options, vllm_config
+
+
+def resolve_candidate_pool(
+    options: TfmOptions, vocab_size: int, weaver_pool_size: int | None
+) -> TfmOptions:
+    """The options with ``candidate_pool`` fixed by the checkpoints when unset.
+
+    Tree ``weaver``: the Weaver's ``candidate_pool_size`` (what it was trained
+    on); ``ddtree`` / ``chain``: ``min(512, vocab_size)``. An explicit value
+    must fit both the vocabulary and the Weaver's pool; ``fanout`` must fit
+    the resolved pool.
+    """
+    pool = options.candidate_pool
+    if pool is None:
+        pool = weaver_pool_size if weaver_pool_size is not None else \
+            min(DEFAULT_BASELINE_POOL, vocab_size)
+        if pool > vocab_size:
+            raise ValueError(
+                f"speculative_config['weaver']: candidate_pool_size {pool} exceeds the "
+                f"target's vocabulary size {vocab_size}"
+            )
+    elif pool > vocab_size:
+        raise ValueError(
+            f"speculative_config['candidate_pool'] must be <= the vocabulary size "
+            f"{vocab_size}, got {pool}"
+        )
+    elif weaver_pool_size is not None and pool > weaver_pool_size:
+        raise ValueError(
+            f"speculative_config['candidate_pool'] = {pool} exceeds the Weaver's "
+            f"candidate_pool_size {weaver_pool_size}"
+        )
+    if options.fanout > pool:
+        raise ValueError(
+            f"speculative_config['fanout'] must be in [1, {pool}] (the candidate pool), "
+            f"got {options.fanout}"
+        )
+    return dataclasses.replace(options, candidate_pool=pool)

@@ -24,10 +24,13 @@ import triton.language as tl
 
 from triton_ops.tree_attention.paged import (
     FLOAT_DTYPES,
+    cache_geometry,
     check_block_table,
     check_paged_cache,
     check_positions_fit,
+    check_untiled,
     physical_index,
+    read_rows,
 )
 from triton_ops.tree_conv.backend import use_triton
 from triton_ops.tree_metadata import TreeMetadata
@@ -253,13 +256,14 @@ def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, sca
         raise ValueError(f"q must be one of {FLOAT_DTYPES}, got {q.dtype}")
     B, N, Hq, D = q.shape
     check_paged_cache("key_cache", key_cache)
-    Hkv = key_cache.shape[2]
-    if key_cache.shape[3] != D or Hq % Hkv != 0:
+    geometry = cache_geometry(key_cache)
+    _, block_size, Hkv, key_dim = geometry
+    if key_dim != D or Hq % Hkv != 0:
         raise ValueError(
             f"key_cache must be [num_blocks, block_size, Hkv, D={D}] with Hq={Hq} a multiple "
-            f"of Hkv, got {list(key_cache.shape)}"
+            f"of Hkv, got {list(geometry)}"
         )
-    check_paged_cache("value_cache", value_cache, tuple(key_cache.shape))
+    check_paged_cache("value_cache", value_cache, geometry)
     if not 16 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"q's head dim must lie in [16, {MAX_HEAD_DIM}], got {D}")
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
@@ -279,17 +283,17 @@ def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, sca
     ):
         raise ValueError(f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
     if q.device.type == "cpu":
-        check_positions_fit(block_table, prefix_lens, meta.num_nodes, key_cache.shape[1])
+        check_positions_fit(block_table, prefix_lens, meta.num_nodes, block_size)
 
 
 def _tree_attention_torch(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
                           sliding_window, logits_soft_cap) -> torch.Tensor:
     """Vectorised over the batch with keys padded to the longest request. [B, N, Hq, D] fp32."""
     B, N, Hq, D = q.shape
-    Hkv = key_cache.shape[2]
+    _, block_size, Hkv, _ = cache_geometry(key_cache)
     prefix = prefix_lens.long().view(B, 1)
     positions = torch.arange(int(prefix.max()) + N, device=q.device).expand(B, -1)
-    block, offset = physical_index(block_table, positions, key_cache.shape[1])
+    block, offset = physical_index(block_table, positions, block_size)
 
     tree_index = positions - prefix  # [B, L]: node index of tree keys, < 0 in the prefix
     in_tree = (tree_index >= 0) & (tree_index < N)
@@ -306,8 +310,8 @@ def _tree_attention_torch(q, key_cache, value_cache, block_table, prefix_lens, m
     visible &= meta.valid.unsqueeze(2)
     # Rows no valid query sees may hold anything (NaN included): 0 * NaN would leak.
     used = visible.any(1).view(B, -1, 1, 1)
-    keys = torch.where(used, key_cache[block, offset].float(), 0.0)
-    values = torch.where(used, value_cache[block, offset].float(), 0.0)
+    keys = torch.where(used, read_rows(key_cache, block, offset).float(), 0.0)
+    values = torch.where(used, read_rows(value_cache, block, offset).float(), 0.0)
 
     queries = q.float().view(B, N, Hkv, Hq // Hkv, D)
     logits = torch.einsum("bnhgd,blhd->bhgnl", queries, keys) * scale
@@ -338,7 +342,12 @@ def tree_attention(
         q: [B, N, Hq, D] queries of the tree nodes (bf16/fp16; fp32 off CUDA).
         key_cache, value_cache: [num_blocks, block_size, Hkv, D], q's dtype, any
             strides (views into the engine's paged caches). Hq must be a multiple
-            of Hkv; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+            of Hkv; query head ``h`` reads KV head ``h // (Hq // Hkv)``. The
+            PyTorch path also takes tiled views [num_blocks, block_size / TL, TL,
+            Hkv, D / DL, DL] of layouts that pack tiles of TL tokens and DL
+            channels (vLLM's CPU_ATTN under AMX): token ``t`` of a block sits at
+            ``(t // TL, t % TL)``, channel ``d`` at ``(d // DL, d % DL)``; the
+            two caches may tile differently.
         block_table: [B, max_blocks] int32/int64, logical block -> cache block.
         prefix_lens: [B] int32/int64, committed tokens before the tree. Node
             ``j``'s K/V must already be at logical position ``prefix_len + j``.
@@ -371,7 +380,7 @@ def tree_attention(
         return out
     launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
                           sliding_window, logits_soft_cap, out,
-                          kernel_config(q, key_cache.shape[2]))
+                          kernel_config(q, cache_geometry(key_cache)[2]))
     return out
 
 
@@ -381,6 +390,8 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
 
     Returns the split kernel's compiled handle (registers and spills for the benchmark).
     """
+    check_untiled("key_cache", key_cache)
+    check_untiled("value_cache", value_cache)
     B, N, Hq, D = q.shape
     Hkv = key_cache.shape[2]
     G = Hq // Hkv

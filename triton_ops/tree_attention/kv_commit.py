@@ -14,10 +14,14 @@ import triton
 import triton.language as tl
 
 from triton_ops.tree_attention.paged import (
+    cache_geometry,
     check_block_table,
     check_paged_cache,
     check_positions_fit,
+    check_untiled,
     physical_index,
+    read_rows,
+    write_rows,
 )
 from triton_ops.tree_conv.backend import use_triton
 from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
@@ -93,7 +97,9 @@ def tree_kv_commit(
 
     Args:
         key_caches, value_caches: one [num_blocks, block_size, Hkv, D] view per
-            attention layer, all of the same shape and dtype (strides may differ).
+            attention layer (on the PyTorch path also a tiled view, as in
+            ``tree_attention``), all of one geometry and dtype; strides and tiles
+            may differ.
         block_table: [B, max_blocks] int32/int64.
         prefix_lens: [B] int32/int64, committed tokens before the tree.
         meta: tree metadata of the step.
@@ -108,11 +114,14 @@ def tree_kv_commit(
             f"got {len(key_caches)} and {len(value_caches)}"
         )
     caches = key_caches + value_caches
+    names = [f"key_caches[{i}]" for i in range(len(key_caches))] + \
+        [f"value_caches[{i}]" for i in range(len(value_caches))]
     first = caches[0]
-    for index, cache in enumerate(caches):
-        name = f"key_caches[{index}]" if index < len(key_caches) else \
-            f"value_caches[{index - len(key_caches)}]"
-        check_paged_cache(name, cache, tuple(first.shape) if index else None, CACHE_DTYPES)
+    check_paged_cache(names[0], first, dtypes=CACHE_DTYPES)
+    geometry = cache_geometry(first)
+    _, block_size, Hkv, D = geometry
+    for name, cache in zip(names[1:], caches[1:]):
+        check_paged_cache(name, cache, geometry, CACHE_DTYPES)
         if cache.dtype != first.dtype or cache.device != first.device:
             raise ValueError(
                 f"{name} must share key_caches[0]'s dtype {first.dtype} and device "
@@ -125,7 +134,7 @@ def tree_kv_commit(
         raise ValueError(f"accepted_leaf must be on {device}, got {accepted_leaf.device}")
     if device.type == "cpu":
         check_accepted_leaf(accepted_leaf, meta)
-        check_positions_fit(block_table, prefix_lens, meta.num_nodes, first.shape[1])
+        check_positions_fit(block_table, prefix_lens, meta.num_nodes, block_size)
     elif accepted_leaf.shape != (B,):
         raise ValueError(f"accepted_leaf must have shape [{B}], got {list(accepted_leaf.shape)}")
 
@@ -134,15 +143,15 @@ def tree_kv_commit(
         moves = meta.path_mask(accepted_leaf) & (node != meta.depths)
         b, j = moves.nonzero(as_tuple=True)
         prefix = prefix_lens.long()[b]
-        src_block, src_offset = physical_index(block_table[b], (prefix + j).view(-1, 1), first.shape[1])
-        dst_block, dst_offset = physical_index(
-            block_table[b], (prefix + meta.depths[b, j].long()).view(-1, 1), first.shape[1]
-        )
+        src = physical_index(block_table[b], (prefix + j).view(-1, 1), block_size)
+        dst = physical_index(block_table[b], (prefix + meta.depths[b, j].long()).view(-1, 1),
+                             block_size)
         for cache in caches:
-            cache[dst_block[:, 0], dst_offset[:, 0]] = cache[src_block[:, 0], src_offset[:, 0]]
+            write_rows(cache, *dst, read_rows(cache, *src))
         return
 
-    _, block_size, Hkv, D = first.shape
+    for name, cache in zip(names, caches):
+        check_untiled(name, cache)
     row_elems = Hkv * D
     BLOCK = min(1024, triton.next_power_of_2(row_elems))
     words = meta.ancestor_words

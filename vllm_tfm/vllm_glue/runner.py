@@ -4,6 +4,7 @@ Every wrapper is a no-op unless the runner's VllmConfig runs dflash_tfm.
 The order within one engine step is:
 
     _prepare_inputs   -> TreeStep built, RoPE positions = prefix + depth, activated
+    _determine_batch_execution_and_padding -> a step with trees runs eagerly
     (target forward)  -> attention / GDN patches read the active TreeStep
     _sample           -> tree verifier: accepted path + bonus per request
     _update_states... -> commit the accepted path (KV, GDN, conv); deactivate
@@ -83,6 +84,7 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         prefix_lens=torch.from_numpy(prefix_lens.astype(np.int32)).to(device),
         num_scheduled=torch.from_numpy(num_scheduled_tokens[:num_reqs].astype(np.int32)),
         linear_positions=runner.positions[:total].clone(),
+        has_trees=bool((num_drafts > 0).any()),
     )
 
 
@@ -112,6 +114,21 @@ def wrap_prepare_inputs(original):
         return result
 
     return _prepare_inputs
+
+
+def wrap_determine_batch_execution_and_padding(original):
+    @functools.wraps(original)
+    def _determine_batch_execution_and_padding(self, *args, **kwargs):
+        step = getattr(self, "_tfm_step", None)
+        if _enabled(self) and step is not None and step.has_trees:
+            # vLLM captured its CUDA graphs in dummy runs with no tree step
+            # active: replaying one over tree rows would run the chain kernels
+            # instead of the tree wrappers (silently wrong). Tree steps run
+            # eagerly; steps without drafts still replay graphs.
+            kwargs["force_eager"] = True
+        return original(self, *args, **kwargs)
+
+    return _determine_batch_execution_and_padding
 
 
 def wrap_sample(original):

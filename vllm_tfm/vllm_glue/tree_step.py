@@ -55,6 +55,7 @@ class TreeStep:
     prefix_lens: torch.Tensor  # [R] int32
     num_scheduled: torch.Tensor  # [R] int32 tokens scheduled this step
     linear_positions: torch.Tensor  # positions vLLM computed, before depth offsets
+    has_trees: bool  # some request has draft nodes (known on the host, no sync)
     gdn_records: list[GDNCommitRecord] = dataclasses.field(default_factory=list)
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
 
