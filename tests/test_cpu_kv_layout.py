@@ -16,8 +16,8 @@ import types
 
 import pytest
 import torch
-from test_tree_attention import same_bits
 
+from triton_ops.testing import same_bits
 from triton_ops.tree_attention.paged import read_rows, write_rows
 from vllm_tfm.vllm_glue.attention import (
     CPU_READABLE_ISAS,
@@ -93,10 +93,8 @@ def write_like_vllm(kv_cache, key, value, slots, isa: str) -> str:
     return "reference"
 
 
-def make_case(case, seed: int):
+def make_case(case, gen: torch.Generator):
     isa, dtype, block_size, num_kv_heads, head_size = case
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
     kv_cache = torch.full((NUM_BLOCKS, num_kv_heads, block_size, 2 * head_size), math.nan,
                           dtype=dtype)
     # Most of the slots, in random order: unwritten ones must stay NaN.
@@ -107,9 +105,9 @@ def make_case(case, seed: int):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[2]}x{c[3]}x{c[4]}" for c in CASES])
-def test_views_read_what_vllm_writes(case):
+def test_views_read_what_vllm_writes(case, gen):
     isa, block_size = case[0], case[2]
-    kv_cache, slots, key, value = make_case(case, 10 + CASES.index(case))
+    kv_cache, slots, key, value = make_case(case, gen)
     writer = write_like_vllm(kv_cache, key, value, slots, isa)
     if writer == "vllm":
         key_index, value_index = reference_index(kv_cache, slots, isa)
@@ -123,9 +121,9 @@ def test_views_read_what_vllm_writes(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[2]}x{c[3]}x{c[4]}" for c in CASES])
-def test_rows_written_through_views_land_where_vllm_writes(case):
+def test_rows_written_through_views_land_where_vllm_writes(case, gen):
     isa, block_size = case[0], case[2]
-    expected, slots, key, value = make_case(case, 30 + CASES.index(case))
+    expected, slots, key, value = make_case(case, gen)
     written = expected.clone()
     write_like_vllm(expected, key, value, slots, isa)
     keys, values = cpu_key_value_views(written, isa)

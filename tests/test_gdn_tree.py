@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-from test_tree_metadata import make_batch
 
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
@@ -13,15 +12,13 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree import chunk_triton
+from triton_ops.gdn_tree.chunk import PRECISIONS
 from triton_ops.gdn_tree.naive import l2_normalize
+from triton_ops.testing import random_tree_metadata, rel_err
 from triton_ops.tree_metadata import build_tree_metadata
+from triton_ops.utils import interpreting
 
 FP32_TOL = 2e-5
-
-
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    assert not torch.isnan(x).any(), "NaN in output"
-    return float((x.double() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def make_inputs(gen, B, N, H, HV, K, V, dtype=torch.float32, num_slots=None, gate_scale=2.0):
@@ -34,12 +31,6 @@ def make_inputs(gen, B, N, H, HV, K, V, dtype=torch.float32, num_slots=None, gat
     pool = 0.5 * torch.randn(num_slots, HV, K, V, generator=gen)
     slots = torch.randperm(num_slots, generator=gen)[:B].to(torch.int32)
     return q, k, v, g, beta, pool, slots
-
-
-def random_meta(gen, B, N, shapes, full_first=True):
-    counts = [N if (b == 0 and full_first) else int(torch.randint(1, N + 1, (1,), generator=gen)) for b in range(B)]
-    parents, num_nodes = make_batch(gen, counts, N, [shapes[b % len(shapes)] for b in range(B)])
-    return build_tree_metadata(parents, num_nodes)
 
 
 @pytest.fixture
@@ -68,7 +59,7 @@ TORCH_CASES = [
     # B, N, H, HV, K, V, tree shapes
     (1, 1, 1, 1, 16, 16, ["random"]),
     (3, 40, 2, 4, 16, 32, ["random", "forest", "star"]),
-    (2, 128, 1, 3, 32, 16, ["chain"]),
+    (2, 128, 1, 3, 32, 16, ["chain", "chain"]),
     (4, 128, 2, 2, 16, 16, ["random", "bushy", "forest", "star"]),
     (2, 65, 3, 9, 20, 24, ["bushy", "forest"]),
     (2, 64, 2, 4, 64, 64, ["random", "chain"]),
@@ -77,10 +68,9 @@ TORCH_CASES = [
 
 
 @pytest.mark.parametrize("case", TORCH_CASES, ids=lambda c: "x".join(map(str, c[:6])))
-def test_torch_verify_and_commit_match_naive(case):
+def test_torch_verify_and_commit_match_naive(case, gen):
     B, N, H, HV, K, V, shapes = case
-    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31)
-    meta = random_meta(gen, B, N, shapes)
+    meta = random_tree_metadata(gen, shapes, N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
     ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
@@ -100,9 +90,8 @@ def test_torch_verify_and_commit_match_naive(case):
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
-def test_float64_inputs_are_exact():
-    gen = torch.Generator().manual_seed(3)
-    meta = random_meta(gen, 3, 128, ["random", "chain", "forest"])
+def test_float64_inputs_are_exact(gen):
+    meta = random_tree_metadata(gen, ["random", "chain", "forest"], 128)
     q, k, v, g, beta, pool, slots = make_inputs(gen, 3, 128, 2, 4, 16, 16)
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
@@ -124,10 +113,9 @@ TRITON_CASES = [
 
 
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "x".join(map(str, c[:6])))
-def test_triton_verify_and_commit_match_naive(case, poisoned_outputs):
+def test_triton_verify_and_commit_match_naive(case, poisoned_outputs, gen):
     B, N, H, HV, K, V, shapes = case
-    gen = torch.Generator().manual_seed(hash(str(case)) % 2**31 + 1)
-    meta = random_meta(gen, B, N, shapes)
+    meta = random_tree_metadata(gen, shapes, N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
     ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
@@ -152,8 +140,7 @@ def test_triton_verify_and_commit_match_naive(case, poisoned_outputs):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_commit_every_node_of_a_tree_equals_sequential_path(backend):
-    gen = torch.Generator().manual_seed(11)
+def test_commit_every_node_of_a_tree_equals_sequential_path(backend, gen):
     parents = torch.tensor([[-1, 0, 0, 1, 1, 2, 3, 3, 5, 6, 8, 2]])
     meta = build_tree_metadata(parents)
     N = parents.shape[1]
@@ -176,9 +163,8 @@ def test_commit_every_node_of_a_tree_equals_sequential_path(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_nothing_accepted_leaves_pool_bit_identical(backend):
-    gen = torch.Generator().manual_seed(5)
-    meta = random_meta(gen, 3, 20, ["random"])
+def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
+    meta = random_tree_metadata(gen, ["random"] * 3, 20)
     q, k, v, g, beta, pool, slots = make_inputs(gen, 3, 20, 1, 2, 16, 16, num_slots=6)
     pool_bf16 = pool.to(torch.bfloat16)
     for p in (pool, pool_bf16):
@@ -191,10 +177,9 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_huge_gate_spread_stays_finite(backend, poisoned_outputs):
-    gen = torch.Generator().manual_seed(9)
+def test_huge_gate_spread_stays_finite(backend, poisoned_outputs, gen):
     B, N = 2, 40
-    meta = random_meta(gen, B, N, ["bushy", "forest"])
+    meta = random_tree_metadata(gen, ["bushy", "forest"], N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, 1, 2, 16, 16)
     # Thousands of nats between neighbours: exp of a non-ancestor difference would overflow.
     g = -torch.rand(B, N, 2, generator=gen) * 3000.0
@@ -211,11 +196,10 @@ def test_huge_gate_spread_stays_finite(backend, poisoned_outputs):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_strided_inputs_and_vllm_pool_layout(backend, poisoned_outputs):
+def test_strided_inputs_and_vllm_pool_layout(backend, poisoned_outputs, gen):
     """q/k/v sliced out of one fused projection, the pool stored [slots, HV, V, K], bf16 state."""
-    gen = torch.Generator().manual_seed(21)
     B, N, H, HV, K, V = 2, 24, 2, 4, 16, 32
-    meta = random_meta(gen, B, N, ["random", "star"])
+    meta = random_tree_metadata(gen, ["random", "star"], N)
     fused = torch.randn(B, N, 2 * H * K + HV * V + 7, generator=gen)
     q = fused[..., : H * K].view(B, N, H, K)
     k = fused[..., H * K : 2 * H * K].view(B, N, H, K)
@@ -237,23 +221,54 @@ def test_strided_inputs_and_vllm_pool_layout(backend, poisoned_outputs):
             assert rel_err(pool_vk[int(slots[b])].transpose(-1, -2), ref_states[b, leaf[b]]) < tol
 
 
-def test_triton_precisions():
-    """All three dot precisions run; under the interpreter they all compute in fp32."""
-    gen = torch.Generator().manual_seed(4)
-    meta = random_meta(gen, 1, 20, ["random"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precision_runs_verify_and_commit(precision, gen):
+    """The interpreter computes every dot in fp32 whatever ``precision`` says, so on
+    CPU this checks what it can: each mode reaches both kernels, runs and stays
+    fp32-accurate. The rounding that tells the modes apart is tested on CUDA below."""
+    meta = random_tree_metadata(gen, ["random"], 20)
     q, k, v, g, beta, pool, slots = make_inputs(gen, 1, 20, 1, 1, 16, 16)
-    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta, scale=0.3, use_qk_l2norm=False)
-    for precision in ("ieee", "tf32", "tf32x3"):
-        out = gdn_tree_verify(
-            q, k, v, g, beta, pool, slots, meta, 0.3, False, backend="triton", precision=precision
-        )
-        assert rel_err(out.o, ref_o) < FP32_TOL
+    ref_o, ref_states = naive_recurrent_gdn_tree(
+        q, k, v, g, beta, pool, slots, meta, scale=0.3, use_qk_l2norm=False
+    )
+    out = gdn_tree_verify(
+        q, k, v, g, beta, pool, slots, meta, 0.3, False, backend="triton", precision=precision
+    )
+    assert rel_err(out.o, ref_o) < FP32_TOL
+    leaf = torch.tensor([19])
+    gdn_tree_commit(pool, slots, meta, out, leaf, backend="triton", precision=precision)
+    assert rel_err(pool[int(slots[0])], ref_states[0, 19]) < FP32_TOL
 
 
-def test_fused_recurrent_baseline_matches_naive():
-    gen = torch.Generator().manual_seed(8)
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or interpreting(),
+    reason="tf32 rounding exists only in kernels compiled for CUDA (run with TRITON_INTERPRET=0 "
+    "on a GPU): the interpreter computes every dot in fp32",
+)
+def test_tf32_rounds_where_tf32x3_and_ieee_keep_fp32(gen):
+    """PRECISIONS' claim at the model's head size: tf32 keeps 10 mantissa bits
+    (~1e-3), tf32x3 and ieee stay at fp32 accuracy, in verify and in commit."""
+    B, N, H, HV, K, V = 2, 64, 2, 4, 128, 128
+    meta = random_tree_metadata(gen, ["bushy", "random"], N, [N, N], device="cuda")
+    inputs = [t.cuda() for t in make_inputs(gen, B, N, H, HV, K, V)]
+    ref_o, ref_states = naive_recurrent_gdn_tree(*inputs, meta)
+    leaf = torch.full((B,), N - 1, device="cuda")
+    verify_err, commit_err = {}, {}
+    for precision in PRECISIONS:
+        out = gdn_tree_verify(*inputs, meta, precision=precision)
+        pool = inputs[5].clone()
+        gdn_tree_commit(pool, inputs[6], meta, out, leaf, precision=precision)
+        verify_err[precision] = rel_err(out.o, ref_o)
+        commit_err[precision] = rel_err(pool[inputs[6].long()], ref_states[:, N - 1])
+    print(f"relative error, verify: {verify_err}, commit: {commit_err}")
+    for errs in (verify_err, commit_err):
+        assert errs["tf32x3"] < FP32_TOL and errs["ieee"] < FP32_TOL, errs
+        assert 10 * max(errs["tf32x3"], errs["ieee"]) < errs["tf32"] < 1e-2, errs
+
+
+def test_fused_recurrent_baseline_matches_naive(gen):
     B, N, H, HV, K, V = 2, 20, 1, 3, 16, 24
-    meta = random_meta(gen, B, N, ["random", "forest"])
+    meta = random_tree_metadata(gen, ["random", "forest"], N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
     ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     o, states = fused_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
@@ -277,9 +292,8 @@ def chain_meta(B, N):
     return build_tree_metadata(torch.arange(-1, N - 1).expand(B, N).contiguous())
 
 
-def test_chain_matches_fla_recurrent(fla_gdn):
+def test_chain_matches_fla_recurrent(fla_gdn, gen):
     fused_recurrent, _ = fla_gdn
-    gen = torch.Generator().manual_seed(12)
     B, N, H, HV, K, V = 2, 24, 1, 2, 16, 32
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
     meta = chain_meta(B, N)
@@ -299,10 +313,9 @@ def test_chain_matches_fla_recurrent(fla_gdn):
         assert rel_err(new_pool[slots.long()], s_fla.double()) < FP32_TOL
 
 
-def test_bf16_no_worse_than_fla_chain(fla_gdn):
+def test_bf16_no_worse_than_fla_chain(fla_gdn, gen):
     """bf16 inputs and output: our error vs float64 stays within fla's chunk reference's."""
     _, naive_chunk = fla_gdn
-    gen = torch.Generator().manual_seed(13)
     B, N, H, HV, K, V = 2, 64, 2, 4, 64, 64
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V, dtype=torch.bfloat16)
     meta = chain_meta(B, N)
@@ -324,10 +337,9 @@ def test_bf16_no_worse_than_fla_chain(fla_gdn):
 # --- bad input ---------------------------------------------------------------------------
 
 
-def test_bad_inputs_raise_value_error_naming_the_argument():
-    gen = torch.Generator().manual_seed(0)
+def test_bad_inputs_raise_value_error_naming_the_argument(gen, monkeypatch):
     B, N, H, HV, K, V = 2, 8, 1, 2, 16, 16
-    meta = random_meta(gen, B, N, ["random"])
+    meta = random_tree_metadata(gen, ["random"] * B, N)
     args = dict(zip(("q", "k", "v", "g", "beta", "ssm_state", "state_slots"), make_inputs(gen, B, N, H, HV, K, V)))
     args["meta"] = meta
 
@@ -372,11 +384,18 @@ def test_bad_inputs_raise_value_error_naming_the_argument():
         gdn_tree_commit(pool, slots, meta, out.o, torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="node_states"):
         fused_recurrent_gdn_tree(*make_inputs(gen, B, N, H, HV, K, V), meta, node_states=torch.empty(1))
+    # Without the interpreter CPU tensors run no kernel: the shared error, not a launch failure.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+        gdn_tree_verify(**args, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        gdn_tree_commit(pool, slots, meta, out, torch.tensor([0, 0]), backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        fused_recurrent_gdn_tree(*make_inputs(gen, B, N, H, HV, K, V), meta)
 
 
-def test_default_scale_is_inverse_sqrt_k():
-    gen = torch.Generator().manual_seed(1)
-    meta = random_meta(gen, 1, 6, ["random"])
+def test_default_scale_is_inverse_sqrt_k(gen):
+    meta = random_tree_metadata(gen, ["random"], 6)
     inputs = make_inputs(gen, 1, 6, 1, 1, 16, 16)
     a = gdn_tree_verify(*inputs, meta)
     b = gdn_tree_verify(*inputs, meta, scale=1 / math.sqrt(16))

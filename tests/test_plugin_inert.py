@@ -187,12 +187,18 @@ def _vllms_triton_expand_kernel():
     """vLLM's own Triton `expand_kernel` (what its GPUs run) under Triton's interpreter.
 
     Without a Triton GPU backend vLLM's placeholder `triton.jit` leaves the plain function,
-    whose globals name the placeholder `tl`: rebind them to Triton's.
+    whose globals name the placeholder `tl`: rebind them to Triton's. A CPU engine replaces
+    the module's kernel by its C++ override (again at every start), so the kernel comes
+    from a fresh copy of the module.
     """
+    import importlib.util
+
     import triton
     import triton.language as tl
-    from vllm.v1.sample import rejection_sampler
 
+    spec = importlib.util.find_spec("vllm.v1.sample.rejection_sampler")
+    rejection_sampler = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rejection_sampler)
     kernel = rejection_sampler.expand_kernel
     function = getattr(kernel, "fn", kernel)
     rebound = types.FunctionType(function.__code__, {**function.__globals__, "tl": tl},

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from triton_ops.pool_logits import naive_pool_logits_log_softmax, pool_logits_log_softmax
+from triton_ops.testing import rel_err
 
 # (R, w, P, D, V): P and D off powers of two, w = 1, a pool wider than one
 # kernel tile, a query wider than one width tile, a single-entry pool.
@@ -19,9 +20,8 @@ SHAPES = [
 ]
 
 
-def _inputs(shape, seed, dtype=torch.float32):
+def _inputs(shape, gen, dtype=torch.float32):
     rows, width, pool, dim, vocab = shape
-    gen = torch.Generator().manual_seed(seed)
     y = torch.randn(rows, width, dim, generator=gen).to(dtype)
     table = (torch.randn(vocab, dim, generator=gen) / math.sqrt(dim)).to(dtype)
     ids = torch.randint(0, vocab, (rows, width, pool), generator=gen)
@@ -29,47 +29,40 @@ def _inputs(shape, seed, dtype=torch.float32):
     return y, table, ids, scores
 
 
-def _rel_err(got, ref):
-    assert not torch.isnan(got).any()
-    return ((got.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_matches_float64_reference(backend, shape):
-    seed = torch.randint(0, 2**31 - 1, ()).item()
-    y, table, ids, scores = _inputs(shape, seed)
+def test_matches_float64_reference(backend, shape, gen):
+    y, table, ids, scores = _inputs(shape, gen)
     out = torch.full(ids.shape, float("nan"))
     got = pool_logits_log_softmax(y, table, ids, scores, backend=backend, out=out)
     assert got.data_ptr() == out.data_ptr() and got.dtype == torch.float32
     ref = naive_pool_logits_log_softmax(y, table, ids, scores)
-    err = _rel_err(got, ref)
-    assert err < 2e-6, f"seed {seed}: relative error {err:.2e}"
+    err = rel_err(got, ref)
+    assert err < 2e-6, f"relative error {err:.2e}"
     # Each row is a distribution over its pool.
     sums = got.double().exp().sum(-1)
     assert torch.allclose(sums, torch.ones_like(sums), atol=1e-5)
 
 
-def test_triton_equals_torch_on_noncontiguous_and_bf16_table():
-    seed = torch.randint(0, 2**31 - 1, ()).item()
-    y, table, ids, scores = _inputs((2, 3, 21, 48, 120), seed)
+def test_triton_equals_torch_on_noncontiguous_and_bf16_table(gen):
+    y, table, ids, scores = _inputs((2, 3, 21, 48, 120), gen)
     # Strided views: the launcher must not assume contiguity.
     y_nc = torch.cat([y, y], dim=-1)[..., ::2]
     scores_nc = torch.cat([scores, scores], dim=-1)[..., ::2]
     a = pool_logits_log_softmax(y_nc, table, ids, scores_nc, backend="triton")
     b = pool_logits_log_softmax(y_nc, table, ids, scores_nc, backend="torch")
     ref = naive_pool_logits_log_softmax(y_nc, table, ids, scores_nc)
-    assert _rel_err(a, ref) < 2e-6 and _rel_err(b, ref) < 2e-6
+    assert rel_err(a, ref) < 2e-6 and rel_err(b, ref) < 2e-6
     # The torch path takes a bf16 table (the serving dtype) and accumulates in fp32.
     t16 = table.bfloat16()
     c = pool_logits_log_softmax(y_nc.bfloat16(), t16, ids, scores_nc, backend="torch")
     ref16 = naive_pool_logits_log_softmax(y_nc.bfloat16(), t16, ids, scores_nc)
-    assert _rel_err(c, ref16) < 1e-5
+    assert rel_err(c, ref16) < 1e-5
 
 
-def test_repeated_ids_and_extreme_scores():
+def test_repeated_ids_and_extreme_scores(gen):
     # Repeated candidates are allowed; one dominant score must not overflow.
-    y, table, ids, scores = _inputs((2, 2, 9, 16, 4), 7)
+    y, table, ids, scores = _inputs((2, 2, 9, 16, 4), gen)
     scores[0, 0, 3] = 1e4
     scores[1, 1] = -1e4
     for backend in ("triton", "torch"):
@@ -79,8 +72,8 @@ def test_repeated_ids_and_extreme_scores():
         assert (got.double() - ref).abs().max().item() < 1e-3
 
 
-def test_empty_rows():
-    y, table, ids, scores = _inputs((0, 3, 5, 8, 10), 1)
+def test_empty_rows(gen):
+    y, table, ids, scores = _inputs((0, 3, 5, 8, 10), gen)
     assert pool_logits_log_softmax(y, table, ids, scores, backend="triton").shape == (0, 3, 5)
 
 
@@ -94,10 +87,11 @@ def test_empty_rows():
         (lambda a: a.update(y=a["y"][0]), "y must be"),
         (lambda a: a.update(ids=a["ids"][..., :0], scores=a["scores"][..., :0]), "P >= 1"),
         (lambda a: a.update(out=torch.empty(1, 2, 3)), "out must be"),
+        (lambda a: a.update(out=torch.empty(1, 6, 2).transpose(1, 2)), "out must be contiguous"),
     ],
 )
-def test_rejects_bad_arguments(mutate, match):
-    y, table, ids, scores = _inputs((1, 2, 6, 8, 10), 3)
+def test_rejects_bad_arguments(mutate, match, gen):
+    y, table, ids, scores = _inputs((1, 2, 6, 8, 10), gen)
     args = dict(y=y, table=table, ids=ids, scores=scores, backend="torch", out=None)
     mutate(args)
     with pytest.raises(ValueError, match=match):
@@ -105,3 +99,9 @@ def test_rejects_bad_arguments(mutate, match):
             args["y"], args["table"], args["ids"], args["scores"],
             backend=args["backend"], out=args["out"],
         )
+
+
+def test_triton_without_the_interpreter_refuses_cpu_tensors(gen, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+        pool_logits_log_softmax(*_inputs((1, 2, 6, 8, 10), gen), backend="triton")

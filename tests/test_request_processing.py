@@ -1,7 +1,6 @@
 """Request-level logits processing of tree nodes (vllm_tfm/vllm_glue/verify.py) against a
 per-node brute force: each node sees the request's output followed by its own path."""
 
-import random
 from types import SimpleNamespace
 
 import pytest
@@ -10,27 +9,24 @@ import torch
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
 from vllm.v1.sample.ops.penalties import apply_all_penalties
 
+from triton_ops.testing import random_tree_metadata
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.vllm_glue.verify import _node_histories, apply_request_processing
 
 VOCAB = 40
 
 
-def random_trees(rng: random.Random, rows: int, width: int) -> DraftTree:
-    parents = torch.full((rows, width), -1, dtype=torch.int32)
-    depths = torch.zeros(rows, width, dtype=torch.int32)
-    tokens = torch.zeros(rows, width, dtype=torch.int64)
-    counts = [rng.randint(1, width) for _ in range(rows)]
-    for r, count in enumerate(counts):
-        tokens[r, 0] = rng.randrange(VOCAB)
-        for j in range(1, count):
-            parent = rng.randrange(j)
-            parents[r, j] = parent
-            depths[r, j] = depths[r, parent] + 1
-            tokens[r, j] = rng.randrange(VOCAB)
-    return DraftTree(tokens=tokens, parents=parents, depths=depths,
-                     num_nodes=torch.tensor(counts, dtype=torch.int32),
+def random_trees(gen: torch.Generator, rows: int, width: int) -> DraftTree:
+    meta = random_tree_metadata(gen, ["random"] * rows, width)
+    tokens = torch.randint(0, VOCAB, (rows, width), generator=gen)
+    return DraftTree(tokens=torch.where(meta.valid, tokens, 0), parents=meta.parents,
+                     depths=meta.depths, num_nodes=meta.num_nodes,
                      draft_logq=torch.zeros(rows, width), max_depth=width)
+
+
+def random_outputs(gen: torch.Generator, rows: int, max_len: int) -> list[list[int]]:
+    lengths = torch.randint(1, max_len + 1, (rows,), generator=gen).tolist()
+    return [torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lengths]
 
 
 def brute_history(tree: DraftTree, output: list[int], r: int, j: int) -> list[int]:
@@ -52,27 +48,24 @@ def sampling_for(outputs, **overrides) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("rows, width", [(1, 1), (1, 9), (3, 12), (4, 2)])
-def test_node_histories_follow_each_path(rows, width):
-    rng = random.Random(random.randrange(2**31))
-    tree = random_trees(rng, rows, width)
-    outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 6))] for _ in range(rows)]
+def test_node_histories_follow_each_path(rows, width, gen):
+    tree = random_trees(gen, rows, width)
+    outputs = random_outputs(gen, rows, 6)
     histories = _node_histories(outputs, tree)
     assert histories == [brute_history(tree, outputs[r], r, j)
                          for r in range(rows) for j in range(width)]
 
 
-def test_penalties_mask_bad_words_and_min_tokens_match_a_per_node_brute_force():
-    seed = random.randrange(2**31)
-    rng = random.Random(seed)
+def test_penalties_mask_bad_words_and_min_tokens_match_a_per_node_brute_force(gen):
     rows, width = 3, 10
-    tree = random_trees(rng, rows, width)
-    outputs = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 5))] for _ in range(rows)]
-    logits = torch.randn(rows, width, VOCAB, generator=torch.Generator().manual_seed(seed))
-    prompts = torch.randint(0, VOCAB, (rows, 7), generator=torch.Generator().manual_seed(seed))
-    presence = torch.rand(rows) * 2
-    frequency = torch.rand(rows)
-    repetition = 1 + torch.rand(rows)
-    mask = torch.rand(rows, VOCAB, generator=torch.Generator().manual_seed(seed + 1)) < 0.2
+    tree = random_trees(gen, rows, width)
+    outputs = random_outputs(gen, rows, 5)
+    logits = torch.randn(rows, width, VOCAB, generator=gen)
+    prompts = torch.randint(0, VOCAB, (rows, 7), generator=gen)
+    presence = torch.rand(rows, generator=gen) * 2
+    frequency = torch.rand(rows, generator=gen)
+    repetition = 1 + torch.rand(rows, generator=gen)
+    mask = torch.rand(rows, VOCAB, generator=gen) < 0.2
     bad_words = {1: [[int(tree.tokens[1, 0]), 3], [5]]}
     min_tokens = MinTokensLogitsProcessor.__new__(MinTokensLogitsProcessor)
     min_tokens.min_toks = {2: (len(outputs[2]) + 2, outputs[2], {7, 9}, False)}
@@ -100,12 +93,11 @@ def test_penalties_mask_bad_words_and_min_tokens_match_a_per_node_brute_force():
             if r == 2 and len(outputs[2]) + int(tree.depths[r, j]) < len(outputs[2]) + 2:
                 want[[7, 9]] = float("-inf")
             torch.testing.assert_close(got[r, j], want, equal_nan=True,
-                                       msg=f"seed {seed} node ({r}, {j})")
+                                       msg=f"node ({r}, {j})")
 
 
-def test_nothing_to_apply_returns_the_logits_unchanged():
-    rng = random.Random(0)
-    tree = random_trees(rng, 2, 5)
-    logits = torch.randn(2, 5, VOCAB)
+def test_nothing_to_apply_returns_the_logits_unchanged(gen):
+    tree = random_trees(gen, 2, 5)
+    logits = torch.randn(2, 5, VOCAB, generator=gen)
     out = apply_request_processing(logits, tree, sampling_for([[1], [2]]))
     assert out is logits

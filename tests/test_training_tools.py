@@ -262,7 +262,7 @@ def test_dflash_and_weaver_losses_fall_on_a_tiny_batch():
     with torch.no_grad():
         hidden = drafter(aux, drafter.block_inputs(tokens.gather(1, anchors)), anchors, embed)
     hidden = hidden[:, :, 1:].flatten(0, 1)
-    ids, scores = weaver_lk.candidate_pools(hidden, lm_head, 16)
+    ids, scores = weaver_lk.lm_head_pools(hidden, lm_head, 16)
     p, _ = weaver_lk.pool_target(torch.randn(6, 15, vocab, generator=gen) * 3, ids)
     nodes = torch.randint(4, vocab, (6, 15), generator=gen)
     h_v = torch.randn(6, 32, generator=gen)
@@ -441,7 +441,7 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
     expected = _hand_tau(rule, start, depth, lambda p, produced: p + depth + 1 >= length)
     assert tau == pytest.approx(expected, rel=1e-12)
 
-    # The tool's own numbers on a real (barely trained) drafter, all three methods.
+    # The tool's own numbers on a real (barely trained) drafter, all three trees.
     report = eval_acceptance.main([
         "--family", "random", "--dflash", str(trained["root"] / "whole"),
         "--out", str(tmp_path / "eval.json"), "--num-prompts", "1", "--prompt-len", "8",
@@ -450,6 +450,6 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
     ])
     assert (tmp_path / "eval.png").is_file()
     assert {(r["method"], r["budget"]) for r in report["results"]} == {
-        ("chain", depth), ("ddtree", 8), ("tfm", 8)}
+        ("chain", depth), ("ddtree", 8), ("weaver", 8)}
     assert all(r["tau"] >= 1.0 and r["steps"] >= 1 for r in report["results"])
     assert set(report["summary"]) == {"T=0", "T=1"}

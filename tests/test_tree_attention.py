@@ -10,23 +10,17 @@ import math
 
 import pytest
 import torch
-from test_tree_conv import make_parents
 
+from triton_ops.testing import random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
     naive_tree_kv_commit,
-    tree_attention,
+    paged_tree_attention,
     tree_kv_commit,
 )
-from triton_ops.tree_metadata import build_tree_metadata
 
 BACKENDS = ("torch", "triton")
 LAYOUTS = ("contiguous", "kv_stacked", "hnd", "cpu_attn")
-
-
-def make_meta(kinds, num_nodes, max_nodes, gen):
-    parents = torch.stack([make_parents(k, n, max_nodes, gen) for k, n in zip(kinds, num_nodes)])
-    return build_tree_metadata(parents, torch.tensor(num_nodes, dtype=torch.int32))
 
 
 def empty_caches(num_blocks, block_size, Hkv, D, layout, dtype, num_layers=1):
@@ -81,25 +75,19 @@ def make_paged_batch(prefix_lens, num_nodes, Hkv, D, block_size, layout, dtype, 
     return key_caches, value_caches, block_table, logical
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "output holds NaN/inf"
-    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sliding_window", [None, 6])
-def test_chain_is_causal_attention(backend, sliding_window):
-    gen = torch.Generator().manual_seed(17 + (sliding_window or 0))
+def test_chain_is_causal_attention(backend, sliding_window, gen):
     B, N, Hkv, G, D, bs = 2, 9, 2, 2, 32, 16
     prefix_lens = [21, 40]
-    meta = make_meta(["chain"] * B, [N] * B, N, gen)
+    meta = random_tree_metadata(gen, ["chain"] * B, N, [N] * B)
     keys, values, block_table, logical = make_paged_batch(
         prefix_lens, [N] * B, Hkv, D, bs, "contiguous", torch.float32, gen
     )
     q = torch.randn(B, N, Hkv * G, D, generator=gen)
     out = torch.full_like(q, math.nan)
-    tree_attention(q, keys[0], values[0], block_table, torch.tensor(prefix_lens), meta, D**-0.5,
-                   sliding_window=sliding_window, backend=backend, out=out)
+    paged_tree_attention(q, keys[0], values[0], block_table, torch.tensor(prefix_lens), meta,
+                         D**-0.5, sliding_window=sliding_window, backend=backend, out=out)
     for b, prefix in enumerate(prefix_lens):
         k, v = (t.double().transpose(0, 1).repeat_interleave(G, 0) for t in logical[b])
         query_pos = prefix + torch.arange(N).view(-1, 1)
@@ -116,9 +104,9 @@ def test_chain_is_causal_attention(backend, sliding_window):
 # (tree kinds, num_nodes, N, prefix_lens, block_size, layout, Hkv, G, D, window, soft cap)
 TREE_CASES = [
     (("random", "forest", "star"), (11, 7, 1), 11, (0, 1, 150), 16, "contiguous", 2, 1, 32, None, None),
-    (("forest", "deep"), (13, 13), 13, (33, 0), 32, "kv_stacked", 1, 2, 64, None, None),
+    (("forest", "bushy"), (13, 13), 13, (33, 0), 32, "kv_stacked", 1, 2, 64, None, None),
     (("star", "random"), (6, 9), 9, (70, 1), 16, "hnd", 2, 3, 48, None, None),
-    (("deep", "random"), (10, 4), 12, (45, 20), 32, "hnd", 1, 2, 32, 5, None),
+    (("bushy", "random"), (10, 4), 12, (45, 20), 32, "hnd", 1, 2, 32, 5, None),
     (("random", "chain"), (8, 8), 8, (100, 3), 16, "kv_stacked", 2, 3, 32, None, 5.0),
     (("random", "forest"), (16, 12), 16, (64, 31), 16, "contiguous", 1, 3, 32, 9, 3.0),
     (("random",), (5,), 5, (17,), 16, "hnd", 1, 1, 256, None, None),
@@ -128,10 +116,9 @@ TREE_CASES = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", TREE_CASES, ids=[f"case{i}" for i in range(len(TREE_CASES))])
-def test_trees_match_naive(backend, case):
+def test_trees_match_naive(backend, case, gen):
     kinds, num_nodes, N, prefix_lens, bs, layout, Hkv, G, D, window, soft_cap = case
-    gen = torch.Generator().manual_seed(hash(case) % 2**31)
-    meta = make_meta(kinds, num_nodes, N, gen)
+    meta = random_tree_metadata(gen, kinds, N, num_nodes)
     keys, values, block_table, _ = make_paged_batch(
         prefix_lens, num_nodes, Hkv, D, bs, layout, torch.float32, gen
     )
@@ -139,8 +126,8 @@ def test_trees_match_naive(backend, case):
     prefix = torch.tensor(prefix_lens, dtype=torch.int32)
     scale = 0.7 * D**-0.5
     out = torch.full_like(q, math.nan)
-    tree_attention(q, keys[0], values[0], block_table, prefix, meta, scale, window, soft_cap,
-                   backend=backend, out=out)
+    paged_tree_attention(q, keys[0], values[0], block_table, prefix, meta, scale, window,
+                         soft_cap, backend=backend, out=out)
     ref = naive_tree_attention(q, keys[0], values[0], block_table, prefix, meta, scale, window,
                                soft_cap)
     assert rel_err(out, ref) < 1e-5
@@ -148,33 +135,28 @@ def test_trees_match_naive(backend, case):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_torch_path(dtype):
+def test_half_precision_torch_path(dtype, gen):
     # The interpreter's bf16 is unreliable (triton#11584): the Triton kernel's half
     # dtypes are checked on CUDA by tools/bench_tree_ops.py.
-    gen = torch.Generator().manual_seed(23)
     num_nodes, prefix_lens = (12, 5), (40, 0)
-    meta = make_meta(("random", "forest"), num_nodes, 12, gen)
+    meta = random_tree_metadata(gen, ("random", "forest"), 12, num_nodes)
     keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 64, 16, "hnd",
                                                     dtype, gen)
     q = torch.randn(2, 12, 6, 64, generator=gen).to(dtype)
     prefix = torch.tensor(prefix_lens)
-    out = tree_attention(q, keys[0], values[0], block_table, prefix, meta, 0.125, backend="torch")
+    out = paged_tree_attention(q, keys[0], values[0], block_table, prefix, meta, 0.125,
+                               backend="torch")
     assert out.dtype == dtype
     ref = naive_tree_attention(q, keys[0], values[0], block_table, prefix, meta, 0.125)
     assert rel_err(out, ref) < 1e-2
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_kv_commit_moves_the_accepted_path(backend, layout):
-    gen = torch.Generator().manual_seed(len(layout) * 31 + len(backend))
+def test_kv_commit_moves_the_accepted_path(backend, layout, gen):
     dtype = torch.float32 if backend == "triton" else torch.bfloat16
     num_nodes, prefix_lens, N = (10, 7, 1), (5, 30, 0), 10
-    meta = make_meta(("random", "forest", "chain"), num_nodes, N, gen)
+    meta = random_tree_metadata(gen, ("random", "forest", "chain"), N, num_nodes)
     keys, values, block_table, _ = make_paged_batch(
         prefix_lens, num_nodes, 2, 16, 16, layout, dtype, gen, num_layers=3
     )
@@ -204,10 +186,9 @@ def test_kv_commit_moves_the_accepted_path(backend, layout):
                 assert same_bits(got[layer], hand[layer])
 
 
-def test_bad_inputs_name_the_argument():
-    gen = torch.Generator().manual_seed(2)
+def test_bad_inputs_name_the_argument(gen, monkeypatch):
     num_nodes, prefix_lens = (4, 3), (10, 0)
-    meta = make_meta(("chain", "star"), num_nodes, 4, gen)
+    meta = random_tree_metadata(gen, ("chain", "star"), 4, num_nodes)
     keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 32, 16,
                                                     "contiguous", torch.float32, gen)
     q = torch.randn(2, 4, 4, 32, generator=gen)
@@ -227,9 +208,9 @@ def test_bad_inputs_name_the_argument():
     }
     for name, value in bad_cases.items():
         with pytest.raises(ValueError, match=name):
-            tree_attention(**{**good, name: value})
+            paged_tree_attention(**{**good, name: value})
     with pytest.raises(ValueError, match="key_cache"):
-        tree_attention(**{**good, "q": torch.randn(2, 4, 3, 32)})  # Hq not a multiple of Hkv
+        paged_tree_attention(**{**good, "q": torch.randn(2, 4, 3, 32)})  # Hq not a multiple of Hkv
 
     leaf = torch.tensor([3, 2])
     args = (block_table, torch.tensor(prefix_lens), meta)
@@ -241,6 +222,11 @@ def test_bad_inputs_name_the_argument():
         tree_kv_commit(keys, values, *args, torch.tensor([4, 2]))
     with pytest.raises(ValueError, match="prefix_lens"):
         tree_kv_commit(keys, values, block_table, torch.tensor([10, 60]), meta, leaf)
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+        paged_tree_attention(**good, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        tree_kv_commit(keys, values, *args, leaf, backend="triton")
 
 
 # Memory orders of tiled views, outermost first, over the view's dims (block,
@@ -271,7 +257,7 @@ def untiled(cache: torch.Tensor) -> torch.Tensor:
 TILED_CASES = [
     (("random", "star"), (9, 4), (40, 2), 32, 2, 2, 64, torch.bfloat16, None, None,
      (16, 2, AMX_KEY_ORDER), (2, 16, AMX_VALUE_ORDER)),
-    (("forest", "deep", "chain"), (13, 6, 1), (0, 70, 33), 64, 1, 3, 128, torch.bfloat16, 7, None,
+    (("forest", "bushy", "chain"), (13, 6, 1), (0, 70, 33), 64, 1, 3, 128, torch.bfloat16, 7, None,
      (16, 2, AMX_KEY_ORDER), (2, 16, AMX_VALUE_ORDER)),
     (("random",), (16,), (100,), 16, 3, 1, 32, torch.float32, None, 4.0,
      (4, 8, ODD_ORDER), (16, 32, AMX_KEY_ORDER)),
@@ -279,14 +265,11 @@ TILED_CASES = [
 
 
 @pytest.mark.parametrize("case", TILED_CASES, ids=[f"case{i}" for i in range(len(TILED_CASES))])
-def test_tiled_caches_match_plain(case):
+def test_tiled_caches_match_plain(case, gen):
     kinds, num_nodes, prefix_lens, bs, Hkv, G, D, dtype, window, soft_cap = case[:10]
     key_tiles, value_tiles = case[10:]
-    seed = 1000 + TILED_CASES.index(case)
-    print(f"seed {seed}")
-    gen = torch.Generator().manual_seed(seed)
     N = max(num_nodes)
-    meta = make_meta(kinds, num_nodes, N, gen)
+    meta = random_tree_metadata(gen, kinds, N, num_nodes)
     keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, Hkv, D, bs,
                                                     "contiguous", dtype, gen, num_layers=2)
     tiled_k = [tiled_copy(k, *key_tiles) for k in keys]
@@ -294,8 +277,8 @@ def test_tiled_caches_match_plain(case):
     prefix = torch.tensor(prefix_lens, dtype=torch.int32)
     q = torch.randn(len(kinds), N, Hkv * G, D, generator=gen).to(dtype)
     args = (block_table, prefix, meta, 0.8 * D**-0.5, window, soft_cap)
-    plain = tree_attention(q, keys[0], values[0], *args, backend="torch")
-    tiled = tree_attention(q, tiled_k[0], tiled_v[0], *args, backend="torch")
+    plain = paged_tree_attention(q, keys[0], values[0], *args, backend="torch")
+    tiled = paged_tree_attention(q, tiled_k[0], tiled_v[0], *args, backend="torch")
     assert torch.equal(tiled, plain)
 
     for node in (-1, 0, N // 2, N - 1):
@@ -308,10 +291,9 @@ def test_tiled_caches_match_plain(case):
             assert same_bits(untiled(got), ref)
 
 
-def test_triton_refuses_tiled_caches():
-    gen = torch.Generator().manual_seed(5)
+def test_triton_refuses_tiled_caches(gen):
     num_nodes, prefix_lens = (4, 3), (10, 0)
-    meta = make_meta(("chain", "star"), num_nodes, 4, gen)
+    meta = random_tree_metadata(gen, ("chain", "star"), 4, num_nodes)
     keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 32, 16,
                                                     "contiguous", torch.float32, gen)
     tiled_k = tiled_copy(keys[0], 16, 2, AMX_KEY_ORDER)
@@ -321,7 +303,7 @@ def test_triton_refuses_tiled_caches():
     for key_cache, value_cache, name in ((tiled_k, values[0], "key_cache"),
                                          (keys[0], tiled_v, "value_cache")):
         with pytest.raises(ValueError, match=f"{name} must be a plain .* CPU-only"):
-            tree_attention(q, key_cache, value_cache, *args, 0.2, backend="triton")
+            paged_tree_attention(q, key_cache, value_cache, *args, 0.2, backend="triton")
     leaf = torch.tensor([3, 2])
     with pytest.raises(ValueError, match=r"value_caches\[0\] must be a plain .* CPU-only"):
         tree_kv_commit(keys, [tiled_v], *args, leaf, backend="triton")

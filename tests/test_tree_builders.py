@@ -17,12 +17,12 @@ from vllm_tfm.drafting.builders import (
     build_ddtree,
     build_sampled_tree,
     build_weaver_tree,
-    default_expand_width,
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import verify_traversal
 from vllm_tfm.drafting.weaver import WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import random_weaver
+from vllm_tfm.options import default_expand_width
 
 NEG_INF = float("-inf")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from triton_ops.testing import TREE_SHAPES, random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_conv import (
     naive_tree_conv1d,
     naive_tree_conv1d_commit,
@@ -12,38 +13,6 @@ from triton_ops.tree_conv import (
     tree_conv1d_commit,
 )
 from triton_ops.tree_metadata import build_tree_metadata
-
-TREE_KINDS = ("chain", "star", "random", "deep", "forest")
-
-
-def make_parents(kind: str, num_nodes: int, max_nodes: int, gen: torch.Generator) -> torch.Tensor:
-    """[max_nodes] int32 parents of a tree of ``kind``; entries past num_nodes are -1 padding."""
-    parents = torch.full((max_nodes,), -1, dtype=torch.int32)
-    for i in range(1, num_nodes):
-        if kind == "chain":
-            parents[i] = i - 1
-        elif kind == "star":
-            parents[i] = 0
-        elif kind == "random":
-            parents[i] = int(torch.randint(0, i, (1,), generator=gen))
-        elif kind == "deep":
-            parents[i] = int(torch.randint(max(0, i - 2), i, (1,), generator=gen))
-        elif kind == "forest":
-            parents[i] = int(torch.randint(-1, i, (1,), generator=gen))
-        else:
-            raise ValueError(f"unknown tree kind {kind!r}")
-    return parents
-
-
-def make_batch(kinds, num_nodes, max_nodes, gen, conv_width=4):
-    parents = torch.stack([make_parents(k, n, max_nodes, gen) for k, n in zip(kinds, num_nodes)])
-    meta = build_tree_metadata(parents, torch.tensor(num_nodes, dtype=torch.int32), conv_width)
-    return meta
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    assert torch.isfinite(out).all(), "output holds NaN/inf"
-    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
 def conv_inputs(B, N, C, W, num_slots, dtype, gen, with_bias=True):
@@ -69,10 +38,9 @@ BACKENDS = ("torch", "triton")
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_chain_is_causal_conv1d(backend, W, with_bias):
-    gen = torch.Generator().manual_seed(100 * W + with_bias)
+def test_chain_is_causal_conv1d(backend, W, with_bias, gen):
     B, N, C = 2, 7, 24
-    meta = make_batch(["chain"] * B, [N] * B, N, gen, W)
+    meta = random_tree_metadata(gen, ["chain"] * B, N, [N] * B, W)
     x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 5, torch.float32, gen, with_bias)
     out = torch.full((B, N, C), float("nan"))
     y = tree_conv1d(x, weight, bias, conv_state, slots, meta, "silu", backend=backend, out=out)
@@ -87,12 +55,11 @@ def test_chain_is_causal_conv1d(backend, W, with_bias):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("W", [2, 3, 4])
-@pytest.mark.parametrize("kind", TREE_KINDS)
-def test_trees_match_naive(backend, W, kind):
-    gen = torch.Generator().manual_seed(hash((backend, W, kind)) % 2**31)
+@pytest.mark.parametrize("kind", TREE_SHAPES)
+def test_trees_match_naive(backend, W, kind, gen):
     B, N, C = 3, 19, 40
     num_nodes = [N, 1, int(torch.randint(2, N, (1,), generator=gen))]
-    meta = make_batch([kind, kind, "random"], num_nodes, N, gen, W)
+    meta = random_tree_metadata(gen, [kind, kind, "random"], N, num_nodes, W)
     x, weight, bias, conv_state, slots = conv_inputs(
         B, N, C, W, 6, torch.float32, gen, with_bias=W != 3
     )
@@ -106,12 +73,11 @@ def test_trees_match_naive(backend, W, kind):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_torch_path(dtype):
+def test_half_precision_torch_path(dtype, gen):
     # The interpreter's bf16 is unreliable (triton#11584): half dtypes are covered on CPU
     # by the torch path here and by the CUDA check in tools/bench_tree_ops.py.
-    gen = torch.Generator().manual_seed(7)
     B, N, C, W = 4, 33, 64, 4
-    meta = make_batch(["random", "forest", "star", "deep"], [33, 20, 9, 1], N, gen, W)
+    meta = random_tree_metadata(gen, ["random", "forest", "star", "bushy"], N, [33, 20, 9, 1], W)
     x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 4, dtype, gen)
     y = tree_conv1d(x, weight, bias, conv_state, slots, meta, backend="torch")
     assert y.dtype == dtype
@@ -119,10 +85,9 @@ def test_half_precision_torch_path(dtype):
     assert rel_err(y, ref) < 1e-2
 
 
-def test_padding_slot_reads_zero_state():
-    gen = torch.Generator().manual_seed(11)
+def test_padding_slot_reads_zero_state(gen):
     B, N, C, W = 2, 6, 16, 4
-    meta = make_batch(["random", "chain"], [6, 4], N, gen, W)
+    meta = random_tree_metadata(gen, ["random", "chain"], N, [6, 4], W)
     x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 3, torch.float32, gen)
     slots[1] = -1
     zero_state = torch.zeros(1, C, W - 1)
@@ -134,21 +99,16 @@ def test_padding_slot_reads_zero_state():
         assert rel_err(out[1:], ref) < 1e-6
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.flatten().view(torch.uint8), b.flatten().view(torch.uint8))
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("W", [2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_commit_every_node(backend, W, dtype):
+def test_commit_every_node(backend, W, dtype, gen):
     if backend == "triton" and dtype == torch.bfloat16:
         # Pure data movement, but still keep bf16 off the interpreter.
         dtype = torch.float16
-    gen = torch.Generator().manual_seed(1000 * W + len(backend))
     B, N, C = 3, 9, 20
     num_nodes = [9, 5, 1]
-    meta = make_batch(["random", "forest", "chain"], num_nodes, N, gen, W)
+    meta = random_tree_metadata(gen, ["random", "forest", "chain"], N, num_nodes, W)
     x, _, _, conv_state, slots = conv_inputs(B, N, C, W, 4, dtype, gen)
     poison_padding(x, meta)
     for node in range(-1, N):
@@ -170,10 +130,9 @@ def test_commit_every_node(backend, W, dtype):
             assert same_bits(state[slot], window)
 
 
-def test_commit_padding_slot_untouched():
-    gen = torch.Generator().manual_seed(5)
+def test_commit_padding_slot_untouched(gen):
     B, N, C, W = 2, 5, 8, 4
-    meta = make_batch(["chain", "chain"], [5, 5], N, gen, W)
+    meta = random_tree_metadata(gen, ["chain", "chain"], N, [5, 5], W)
     x, _, _, conv_state, slots = conv_inputs(B, N, C, W, 2, torch.float32, gen)
     slots[0] = -1
     for backend in BACKENDS:
@@ -184,10 +143,9 @@ def test_commit_padding_slot_untouched():
         assert same_bits(state[slots[1].long()], torch.cat([x[1, 2:].t()], dim=1))
 
 
-def test_bad_inputs_name_the_argument():
-    gen = torch.Generator().manual_seed(3)
+def test_bad_inputs_name_the_argument(gen, monkeypatch):
     B, N, C, W = 2, 4, 8, 4
-    meta = make_batch(["chain", "star"], [4, 3], N, gen, W)
+    meta = random_tree_metadata(gen, ["chain", "star"], N, [4, 3], W)
     x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 3, torch.float32, gen)
     good = dict(x=x, weight=weight, bias=bias, conv_state=conv_state, state_slots=slots, meta=meta)
     bad_cases = {
@@ -209,8 +167,13 @@ def test_bad_inputs_name_the_argument():
     with pytest.raises(ValueError, match="out"):
         tree_conv1d(**good, out=torch.empty(B, N, C + 1))
     with pytest.raises(ValueError, match="conv_width"):
-        tree_conv1d(**{**good, "meta": make_batch(["chain"] * 2, [4, 4], N, gen, 1)})
+        tree_conv1d(**{**good, "meta": random_tree_metadata(gen, ["chain"] * 2, N, [4, 4], 1)})
     with pytest.raises(ValueError, match="accepted_leaf"):
         tree_conv1d_commit(conv_state, slots, x, meta, torch.tensor([0, 3]))
     with pytest.raises(ValueError, match="accepted_leaf"):
         tree_conv1d_commit(conv_state, slots, x, meta, torch.tensor([0]))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors.*TRITON_INTERPRET=1"):
+        tree_conv1d(**good, backend="triton")
+    with pytest.raises(ValueError, match="backend='triton' needs CUDA tensors"):
+        tree_conv1d_commit(conv_state, slots, x, meta, torch.tensor([0, 0]), backend="triton")

@@ -1,40 +1,19 @@
-"""TreeMetadata against a brute-force per-node walk up the parent pointers."""
+"""TreeMetadata against a brute-force per-node walk up the parent pointers, the
+random trees every kernel test draws, and the package's import layout."""
+
+import importlib
+import pkgutil
 
 import pytest
 import torch
 
+import triton_ops
+from triton_ops.testing import BUSHY_WINDOW, TREE_SHAPES, random_parents, random_tree_batch
 from triton_ops.tree_metadata import (
     build_tree_metadata,
     pack_bitsets,
     unpack_bitsets,
 )
-
-
-def random_parents(gen: torch.Generator, num_nodes: int, shape: str) -> list[int]:
-    """Topological parent list of one request; ``shape`` picks the family."""
-    parents = []
-    for i in range(num_nodes):
-        if shape == "chain":
-            parents.append(i - 1)
-        elif shape == "star":
-            parents.append(-1 if i == 0 else 0)
-        elif shape == "forest":
-            roll = int(torch.randint(0, i + 2, (1,), generator=gen))
-            parents.append(roll - 1 if roll <= i else -1)
-        elif shape == "bushy":
-            parents.append(-1 if i == 0 else int(torch.randint(max(0, i - 4), i, (1,), generator=gen)))
-        else:  # random tree with one root
-            parents.append(-1 if i == 0 else int(torch.randint(0, i, (1,), generator=gen)))
-    return parents
-
-
-def make_batch(gen, counts, max_nodes, shapes):
-    parents = torch.full((len(counts), max_nodes), -1, dtype=torch.int64)
-    for b, (n, shape) in enumerate(zip(counts, shapes)):
-        parents[b, :n] = torch.tensor(random_parents(gen, n, shape))
-        # Padding may hold anything: the builder must ignore it.
-        parents[b, n:] = torch.randint(-1, max_nodes, (max_nodes - n,), generator=gen)
-    return parents, torch.tensor(counts, dtype=torch.int32)
 
 
 def brute_force(parents, counts, conv_width):
@@ -59,17 +38,13 @@ def brute_force(parents, counts, conv_width):
     return ancestors, depths, conv
 
 
-SHAPES = ("random", "chain", "star", "forest", "bushy")
-
-
 @pytest.mark.parametrize("max_nodes", [1, 7, 16, 63, 64, 65, 128, 130])
 @pytest.mark.parametrize("conv_width", [1, 2, 4])
-def test_matches_brute_force(max_nodes, conv_width):
-    gen = torch.Generator().manual_seed(1000 * max_nodes + conv_width)
+def test_matches_brute_force(max_nodes, conv_width, gen):
     B = 5
-    counts = [max_nodes] + [int(torch.randint(1, max_nodes + 1, (1,), generator=gen)) for _ in range(B - 1)]
-    shapes = [SHAPES[int(torch.randint(0, len(SHAPES), (1,), generator=gen))] for _ in range(B)]
-    parents, num_nodes = make_batch(gen, counts, max_nodes, shapes)
+    shapes = [TREE_SHAPES[int(i)] for i in torch.randint(0, len(TREE_SHAPES), (B,), generator=gen)]
+    parents, num_nodes = random_tree_batch(gen, shapes, max_nodes)
+    counts = num_nodes.tolist()
     meta = build_tree_metadata(parents, num_nodes, conv_width=conv_width)
     ancestors, depths, conv = brute_force(parents, counts, conv_width)
 
@@ -85,8 +60,7 @@ def test_matches_brute_force(max_nodes, conv_width):
     assert (meta.batch_size, meta.max_nodes, meta.conv_width) == (B, max_nodes, conv_width)
 
 
-def test_bitset_round_trip_and_bit_layout():
-    gen = torch.Generator().manual_seed(7)
+def test_bitset_round_trip_and_bit_layout(gen):
     for n in (1, 63, 64, 65, 128, 200):
         mask = torch.rand(3, 4, n, generator=gen) < 0.5
         words = pack_bitsets(mask)
@@ -145,3 +119,33 @@ def test_rejects_bad_arguments():
         meta.path_mask(torch.tensor([0, 0]))
     with pytest.raises(ValueError, match="accepted_leaf"):
         meta.path_mask(torch.tensor([0.0]))
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+def test_random_trees_draw_parents_from_their_window(shape, gen):
+    n = 40
+    parents = random_parents(gen, shape, n)
+    node = torch.arange(n)
+    low = {"chain": node - 1, "star": torch.zeros_like(node), "random": torch.zeros_like(node),
+           "bushy": (node - BUSHY_WINDOW).clamp(min=0), "forest": torch.full_like(node, -1)}[shape]
+    assert parents[0] == -1
+    assert bool(((parents[1:] >= low[1:]) & (parents[1:] < node[1:])).all()), parents.tolist()
+    if shape != "forest":
+        assert bool((parents[1:] >= 0).all())
+    with pytest.raises(ValueError, match="shape must be one of"):
+        random_parents(gen, "deep", n)
+
+
+def test_importing_the_package_shadows_no_submodule():
+    """``import triton_ops`` binds no exported name over a submodule: every dotted
+    path still reaches its module (``triton_ops.tree_attention`` once was a function)."""
+    names = [info.name for info in pkgutil.walk_packages(triton_ops.__path__, "triton_ops.")]
+    assert "triton_ops.tree_attention.attention" in names and "triton_ops.gdn_tree.chunk" in names
+    for name in names:
+        module = importlib.import_module(name)
+        reached = triton_ops
+        for part in name.split(".")[1:]:
+            reached = getattr(reached, part)
+        assert reached is module, name
+    for name in triton_ops.__all__:
+        assert getattr(triton_ops, name) is not None

@@ -11,12 +11,12 @@ target's multi-step law to 1e-10.
 
 import itertools
 import math
-import zlib
 from dataclasses import fields
 
 import pytest
 import torch
 
+from triton_ops.tree_metadata import root_to_node_path
 from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform, derive_seeds
 from vllm_tfm.drafting.verifiers import (
     ORDER_STREAM,
@@ -31,11 +31,6 @@ from vllm_tfm.drafting.verifiers import (
 
 F64 = torch.float64
 TOL = 1e-10
-
-
-def seed_of(*parts) -> int:
-    """A seed from test parameters (str hashes vary between processes)."""
-    return zlib.crc32(repr(parts).encode())
 
 
 # -- a target (and draft) "model": a deterministic law per context ------------------
@@ -111,10 +106,7 @@ SHAPES = {
 
 
 def depths_of(parents):
-    depths = []
-    for p in parents:
-        depths.append(0 if p < 0 else depths[p] + 1)
-    return depths
+    return [len(root_to_node_path(parents, i)) - 1 for i in range(len(parents))]
 
 
 def make_tree(parents, vocab, gen, logq_kind="random"):
@@ -243,8 +235,7 @@ KINDS = ("smooth", "peaky", "zeros", "onehot")
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab", [3, 4])
-def test_target_only_is_lossless(shape, kind, vocab):
-    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab))
+def test_target_only_is_lossless(shape, kind, vocab, gen):
     tree = make_tree(SHAPES[shape], vocab, gen)
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     probs = target_probs(tree, law)
@@ -280,7 +271,7 @@ def enumerate_plan(tree, probs, plan):
                 visit(child, path + [child], w, u)
                 continue
             law = plan.bonus_distribution(probs, torch.tensor([node]))[0]
-            assert abs(float(law.sum()) - 1.0) < 1e-9
+            assert abs(float(law.sum()) - 1.0) < 1e-9, (float(choice[j]), choice.tolist(), law.tolist())
             for b in range(law.shape[0]):
                 if law[b] > 0:
                     cases.append((path, b, w * float(law[b] / law.sum()), u, midpoint(law, b)))
@@ -340,8 +331,7 @@ def sibling_orders(tree):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab,logq_kind", [(3, "random"), (4, "random"), (4, "zero_child")])
-def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind):
-    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab, logq_kind))
+def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind, gen):
     tree = make_tree(SHAPES[shape], vocab, gen, logq_kind)
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     probs = target_probs(tree, law)
@@ -361,7 +351,8 @@ def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind)
                 int(tree.tokens[0, i]) for i in range(1, tree.max_nodes)
                 if int(tree.parents[0, i]) == path[-1] and tree.draft_logq[0, i] > float("-inf")
             ]
-            assert bonus not in leaf_children
+            # (Rounding leaves the residual law ~1e-17 on a rejected token.)
+            assert bonus not in leaf_children or weight < 1e-12, (path, bonus, weight)
             key = output_of(tree, path, bonus)
             outcomes[key] = outcomes.get(key, 0.0) + weight * order_weight
     assert_lossless(law, int(tree.tokens[0, 0]), outcomes, max(depths_of(SHAPES[shape])) + 1)
@@ -410,24 +401,17 @@ def sampled_trees(parents, pool_ids, draft, root):
             yield list(tokens), weight
             return
         v = internal[index]
-        q = torch.softmax(draft(tuple(tokens[j] for j in path_of(v))).double(), 0)
+        q = torch.softmax(draft(tuple(tokens[j] for j in root_to_node_path(parents, v))).double(), 0)
         for picks, p in draws(q, len(kids[v])):
             for child, pos in zip(kids[v], picks):
                 tokens[child] = int(pool_ids[depths[v], pos])
             yield from realise(index + 1, tokens, weight * p)
 
-    def path_of(v):
-        out = []
-        while v >= 0:
-            out.append(v)
-            v = parents[v]
-        return out[::-1]
-
     for tokens, weight in realise(0, [root] + [0] * (n - 1), 1.0):
         proposal = torch.full((1, n, P), float("-inf"))
         logq = torch.zeros(1, n)
         for v in range(n):
-            row = draft(tuple(tokens[j] for j in path_of(v)))
+            row = draft(tuple(tokens[j] for j in root_to_node_path(parents, v)))
             if kids[v]:
                 proposal[0, v] = row
             for child in kids[v]:
@@ -448,10 +432,9 @@ def sampled_trees(parents, pool_ids, draft, root):
 @pytest.mark.parametrize("shape", list(SAMPLED_SHAPES))
 @pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros", "onehot"])
 @pytest.mark.parametrize("vocab,pool", [(3, 3), (5, 3)])
-def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool):
+def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
     """Exact over the tree's draws too: pools smaller than the vocabulary put
     target mass off the proposal's support; the draft law has zero-mass ids."""
-    gen = torch.Generator().manual_seed(seed_of(shape, kind, vocab, pool))
     parents = SAMPLED_SHAPES[shape]
     D = max(depths_of(parents)) + 1
     pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool] for _ in range(D)])
@@ -522,9 +505,8 @@ def assert_close_in_law(counts: dict, law: dict, n: int):
 
 
 @pytest.mark.parametrize("verifier", ["target_only", "traversal"])
-def test_seeded_verifiers_match_their_law(verifier):
+def test_seeded_verifiers_match_their_law(verifier, gen):
     vocab, n = 4, 20000
-    gen = torch.Generator().manual_seed(5)
     tree = make_tree(SHAPES["mixed"], vocab, gen)
     law = ContextLaw(vocab, 99, "smooth")
     probs = target_probs(tree, law)
@@ -576,8 +558,7 @@ def test_counter_uniform_is_uniform_and_independent():
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("seed", range(4))
-def test_greedy_is_the_argmax_walk(shape, seed):
-    gen = torch.Generator().manual_seed(seed * 31 + len(shape))
+def test_greedy_is_the_argmax_walk(shape, seed, gen):
     vocab, R = 4, 6
     trees = [make_tree(SHAPES[shape], vocab, gen) for _ in range(R)]
     tree = concat_trees(trees)
@@ -627,8 +608,7 @@ def mixed_batch(gen, vocab=4):
 
 
 @pytest.mark.parametrize("verifier", [verify_target_only, verify_traversal])
-def test_seeds_reproduce_and_ignore_the_batch(verifier):
-    gen = torch.Generator().manual_seed(77)
+def test_seeds_reproduce_and_ignore_the_batch(verifier, gen):
     tree, probs = mixed_batch(gen)
     seeds = torch.tensor([11, 12, 13])
     first = verifier(tree, probs, seeds)
@@ -642,14 +622,13 @@ def test_seeds_reproduce_and_ignore_the_batch(verifier):
         for f in fields(first):
             assert torch.equal(getattr(sub, f.name), getattr(first, f.name)[idx])
     # Fresh step seeds draw other numbers: over many steps the outputs vary.
-    outs = {tuple(verifier(tree, probs, derive_seeds(seeds, step)).output_tokens[0].tolist())
+    outs = {str(verifier(tree, probs, derive_seeds(seeds, step)).output_tokens.tolist())
             for step in range(40)}
     assert len(outs) > 1
 
 
-def test_padding_rows_never_leak():
+def test_padding_rows_never_leak(gen):
     """Padding nodes hold NaN target rows: results must stay finite and in range."""
-    gen = torch.Generator().manual_seed(3)
     tree, probs = mixed_batch(gen)
     probs = probs.masked_fill(~tree.valid[..., None], float("nan"))
     for result in (
@@ -668,8 +647,7 @@ def test_padding_rows_never_leak():
 
 # -- bad input ------------------------------------------------------------------------
 
-def test_bad_inputs_name_the_field():
-    gen = torch.Generator().manual_seed(8)
+def test_bad_inputs_name_the_field(gen):
     tree, probs = mixed_batch(gen)
     seeds = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match="probs"):

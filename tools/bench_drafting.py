@@ -2,8 +2,9 @@
 
 At Qwen3.6-27B Weaver dimensions (d_model 5120, d_embed 5120, d_rank 2048, 1 layer of 16
 heads, vocab 248320, pools of 512 over 15 draft positions) with random weights, batch 1 by
-default. One round = Weaver's prefix pass + the best-first expansion loop (about
-budget / expand_width Weaver calls), or the DDTree / chain construction from the pools.
+default. One round = the engine's `draft_trees`: Weaver's prefix pass + the best-first
+expansion loop (about budget / expand_width Weaver calls), or the DDTree / chain
+construction from the pools.
 
     python tools/bench_drafting.py                    # CUDA, prints a table
     python tools/bench_drafting.py --smoke            # tiny dimensions on CPU
@@ -17,9 +18,10 @@ import time
 
 import torch
 
-from vllm_tfm.drafting.builders import build_chain, build_ddtree, build_weaver_tree
+from vllm_tfm.drafting.draft_round import candidate_pools, draft_depth, draft_trees
 from vllm_tfm.drafting.weaver import WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import random_weaver
+from vllm_tfm.options import DFLASH_DRAFT_DEPTH, default_expand_width
 
 QWEN36_WEAVER = dict(d_model=5120, d_embed=5120, d_rank=2048, num_layers=1, num_heads=16,
                      mlp_dim=2048 * 4, K=15, candidate_pool_size=512)
@@ -63,11 +65,10 @@ def main() -> None:
     head = (torch.randn(vocab, config.d_model, generator=gen) * 0.02).to(device, dtype)
     weaver.prepare_tables(embed, head)
 
-    R, D, P = args.batch, config.K, config.candidate_pool_size
+    R, D = args.batch, DFLASH_DRAFT_DEPTH
     h_v = torch.randn(R, config.d_model, generator=gen).to(device, dtype)
     hidden = torch.randn(R, D, config.d_model, generator=gen).to(device, dtype)
     logits = torch.randn(R, D, vocab, generator=gen).to(device) * 3
-    scores, ids = torch.topk(logits, P, dim=-1)
     roots = torch.randint(0, vocab, (R,), generator=gen).to(device)
 
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
@@ -76,17 +77,17 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|")
     with torch.inference_mode():
         for budget in args.budgets:
-            def weaver_round():
-                session = weaver.start_round(h_v, hidden, ids, scores, max_nodes=budget + 1)
-                return build_weaver_tree(roots, ids, session, budget, validate=False)
+            # As in the engine: D = the DFlash block's masks, cut to the budget and K.
+            depth = draft_depth(budget, D, weaver)
+            pools = candidate_pools(logits[:, :depth], config.candidate_pool_size)
 
-            width = max(1, min(-(-budget // 16), 32))
-            calls = 1 + -(-budget // width)
-            weaver_ms = timed(weaver_round, device, args.repeats)
-            ddtree_ms = timed(lambda: build_ddtree(roots, ids, scores, budget, validate=False),
-                              device, args.repeats)
-            chain_ms = timed(lambda: build_chain(roots, ids, scores, budget, validate=False),
-                             device, args.repeats)
+            def round_ms(tree: str) -> float:
+                return timed(lambda: draft_trees(tree, roots, pools, budget, weaver=weaver,
+                                                 h_v=h_v, dflash_hidden=hidden[:, :depth],
+                                                 validate=False), device, args.repeats)
+
+            calls = 1 + -(-budget // default_expand_width(budget))
+            weaver_ms, ddtree_ms, chain_ms = (round_ms(t) for t in ("weaver", "ddtree", "chain"))
             print(f"| {budget} | {weaver_ms:.2f} | ~{calls} | {ddtree_ms:.2f} | {chain_ms:.3f} |",
                   flush=True)
 

@@ -27,9 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from triton_ops.gdn_tree import gdn_tree_commit, gdn_tree_verify, naive_recurrent_gdn_tree  # noqa: E402
+from triton_ops.gdn_tree import (  # noqa: E402
+    fused_recurrent_gdn_tree,
+    gdn_tree_commit,
+    gdn_tree_verify,
+    naive_recurrent_gdn_tree,
+)
 from triton_ops.gdn_tree.chunk_triton import verify_triton  # noqa: E402
-from triton_ops.gdn_tree import fused_recurrent_gdn_tree  # noqa: E402
+from triton_ops.testing import random_tree_metadata, rel_err  # noqa: E402
 from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
 
 L2_BYTES = 60 << 20
@@ -111,14 +116,6 @@ def fmt(x: float, digits: int = 1) -> str:
 # --- GDN tree verify / commit -------------------------------------------------------------
 
 
-def draft_tree(gen: torch.Generator, B: int, N: int, spread: int = 8) -> torch.Tensor:
-    """Random draft trees shaped like best-first search output: parents among recent nodes."""
-    parents = torch.full((B, N), -1, dtype=torch.int64)
-    for i in range(1, N):
-        parents[:, i] = torch.randint(max(0, i - spread), i, (B,), generator=gen)
-    return parents
-
-
 def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
     """Inputs as the vLLM layer hands them over: pool stored [slots, HV, V, K], transposed view."""
     num_slots = num_slots or B + 3
@@ -132,38 +129,25 @@ def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
     return q, k, v, g, beta, pool, slots
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(x).all():
-        return float("inf")
-    return float((x.double() - ref).norm() / ref.norm())
-
-
 def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
     """Triton verify/commit and the recurrent baseline against the float64 recurrence."""
     cases = [
-        # B, N, H, HV, K, V, tree, partial node counts, state dtype
-        (3, 40, 2, 4, 16, 32, "tree", True, torch.float32),
+        # B, N, H, HV, K, V, tree shape (triton_ops.testing), partial node counts, state dtype
+        (3, 40, 2, 4, 16, 32, "bushy", True, torch.float32),
         (2, 64, 1, 3, 64, 64, "chain", False, torch.float32),
-        (4, 128, 2, 6, 128, 128, "tree", True, torch.float32),
+        (4, 128, 2, 6, 128, 128, "bushy", True, torch.float32),
         (2, 100, 1, 2, 128, 128, "forest", True, torch.bfloat16),
-        (1, 64, 16, 48, 128, 128, "tree", False, torch.float32),
-        (2, 48, 16, 48, 128, 128, "tree", True, "bf16 inputs"),
+        (1, 64, 16, 48, 128, 128, "random", False, torch.float32),
+        (2, 48, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
     ]
     if smoke:
         cases = [c for c in cases if c[4] <= 64][:2]
     rows, ok = [], True
     gen = torch.Generator().manual_seed(0)
     for B, N, H, HV, K, V, shape, partial, state_dtype in cases:
-        if shape == "chain":
-            parents = torch.arange(-1, N - 1).expand(B, N).contiguous()
-        else:
-            parents = draft_tree(gen, B, N)
-            if shape == "forest":
-                parents[:, 1::7] = -1
-        counts = torch.full((B,), N)
-        if partial:
-            counts[1:] = torch.randint(1, N + 1, (B - 1,), generator=gen)
-        meta = build_tree_metadata(parents.to(device), counts.to(device))
+        # Partial: the first request full, the others random counts (padding).
+        counts = None if partial else [N] * B
+        meta = random_tree_metadata(gen, [shape] * B, N, counts, device=device)
         # "bf16 inputs": bf16 q/k/v/beta (the 16-bit dot path), fp32 state.
         low = state_dtype == "bf16 inputs"
         state_dtype = torch.float32 if low else state_dtype
@@ -174,7 +158,7 @@ def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
         out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
         pad = ~meta.valid
         pad_ok = all(bool((t[pad] == 0).all()) for t in (out.o, out.delta, out.gate_sum))
-        leaf = counts.to(device) - 1
+        leaf = meta.num_nodes.long() - 1
         new_pool = pool.clone()
         gdn_tree_commit(new_pool, slots, meta, out, leaf)
         want = ref_states[torch.arange(B, device=device), leaf]
@@ -200,7 +184,7 @@ def gdn_precision_table(device, smoke: bool) -> list[str]:
     rows = []
     gen = torch.Generator().manual_seed(1)
     for N in (16, 64) if smoke else (16, 32, 64, 128):
-        meta = build_tree_metadata(draft_tree(gen, 1, N).to(device))
+        meta = random_tree_metadata(gen, ["bushy"], N, device=device)
         for dtype in (torch.float32, torch.bfloat16):
             q, k, v, g, beta, pool, slots = gdn_inputs(gen, 1, N, H, HV, K, V, dtype, device)
             ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
@@ -262,7 +246,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
             in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
             out_bytes = B * N * (HV * V * (2 + 4) + HV * 8 + H * K * 4)
             layers = max(1, min(16, math.ceil(2 * L2_BYTES / (state_bytes + in_bytes + out_bytes))))
-            meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
+            meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
             sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(layers)]
             outs = [gdn_tree_verify(*s, meta) for s in sets]
             leaf = torch.full((B,), N - 1, device=device)
@@ -331,7 +315,7 @@ def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
     configs = [(bv, w, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
     configs += [(32, 4, "tf32"), (32, 4, "ieee")]
     for N, B in ((64, 1), (64, 8), (64, 32)):
-        meta = build_tree_metadata(draft_tree(gen, B, N).to(device))
+        meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         for bv, warps, prec in configs:
             if time.monotonic() > deadline:

@@ -24,15 +24,15 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import triton_ops.tree_attention.attention as attention_module  # noqa: E402
+import triton_ops.tree_conv.conv as conv_module  # noqa: E402
+from triton_ops.testing import random_tree_metadata, rel_err, same_bits  # noqa: E402
 from triton_ops.tree_attention import (  # noqa: E402
     naive_tree_attention,
     naive_tree_kv_commit,
-    tree_attention,
+    paged_tree_attention,
     tree_kv_commit,
 )
-import triton_ops.tree_conv.conv as conv_module  # noqa: E402
-
-attention_module = sys.modules["triton_ops.tree_attention.attention"]
 from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention  # noqa: E402
 from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit  # noqa: E402
 from triton_ops.tree_conv.conv import launch_tree_conv1d  # noqa: E402
@@ -40,6 +40,7 @@ from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
 
 DEV = "cuda"
 FAILURES: list[str] = []
+TREES = torch.Generator().manual_seed(0)
 
 
 def median_us(fn) -> float:
@@ -63,15 +64,9 @@ def matmul_rate() -> float:
 
 
 def random_meta(B, N, num_nodes, conv_width=4):
-    """Random trees (every third request a forest) on the GPU: node i's parent is
-    uniform in [0, i), or in [-1, i) for a forest."""
-    node = torch.arange(N, device=DEV)
-    forest = (torch.arange(B, device=DEV) % 3 == 2).view(B, 1)
-    upper = node + forest.long()
-    parents = (torch.rand(B, N, device=DEV) * upper).long() - forest.long()
-    parents[:, 0] = -1
-    nodes = torch.tensor(num_nodes, dtype=torch.int32, device=DEV)
-    return build_tree_metadata(parents.to(torch.int32), nodes, conv_width)
+    """Random trees on the GPU, every third request a forest."""
+    shapes = ["forest" if b % 3 == 2 else "random" for b in range(B)]
+    return random_tree_metadata(TREES, shapes, N, num_nodes, conv_width, device=DEV)
 
 
 def report(name: str, err: float, tol: float) -> None:
@@ -79,17 +74,6 @@ def report(name: str, err: float, tol: float) -> None:
     if not ok:
         FAILURES.append(name)
     print(f"  {'ok  ' if ok else 'FAIL'} {name}: rel err {err:.2e} (tol {tol:.0e})")
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double().cpu(), ref.double().cpu()
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().flatten().view(torch.uint8), b.cpu().flatten().view(torch.uint8))
 
 
 # ---------------------------------------------------------------------------- conv
@@ -199,7 +183,7 @@ def check_attention() -> None:
         keys, values, table = paged_cache([p + N for p in prefixes], Hkv, D, bs, dtype, layout)
         q = torch.randn(2, N, Hkv * G, D, device=DEV).to(dtype)
         prefix = torch.tensor(prefixes, dtype=torch.int32, device=DEV)
-        out = tree_attention(q, keys[0], values[0], table, prefix, meta, D**-0.5, window, cap)
+        out = paged_tree_attention(q, keys[0], values[0], table, prefix, meta, D**-0.5, window, cap)
         ref = naive_tree_attention(q.cpu(), keys[0].cpu(), values[0].cpu(), table.cpu(), prefix.cpu(),
                                    meta_cpu(meta), D**-0.5, window, cap)
         report(f"attention {dtype} D={D} G={G} {layout} window={window} cap={cap}", rel_err(out, ref), tol)
@@ -208,9 +192,9 @@ def check_attention() -> None:
         keys, values, table = paged_cache([p + N for p in prefixes], 4, 256, 16, torch.bfloat16, "hnd")
         q = torch.randn(2, N, 24, 256, device=DEV).to(torch.bfloat16)
         prefix = torch.tensor(prefixes, dtype=torch.int32, device=DEV)
-        out = tree_attention(q, keys[0], values[0], table, prefix, meta, 256**-0.5, window)
-        ref = tree_attention(q.float(), keys[0].float(), values[0].float(), table, prefix, meta,
-                             256**-0.5, window, backend="torch")
+        out = paged_tree_attention(q, keys[0], values[0], table, prefix, meta, 256**-0.5, window)
+        ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table, prefix,
+                                   meta, 256**-0.5, window, backend="torch")
         report(f"attention Qwen shapes prefixes={prefixes} N={N} window={window} vs torch fp32",
                rel_err(out, ref), 1e-2)
     print("tree KV commit vs naive (bit-exact)")
@@ -259,8 +243,8 @@ def bench_attention(bandwidth: float, flops: float, with_sdpa: bool) -> None:
                 meta = random_meta(B, N, [N] * B)
                 q = torch.randn(B, N, 24, 256, device=DEV, dtype=torch.bfloat16)
                 out = torch.empty_like(q)
-                run = lambda: tree_attention(q, keys[0], values[0], table, prefix, meta,  # noqa: E731
-                                             1 / 16, out=out)
+                run = lambda: paged_tree_attention(  # noqa: E731
+                    q, keys[0], values[0], table, prefix, meta, 1 / 16, out=out)
                 ours, ours_graph = median_us(run), graph_us(run)
                 sdpa = math.nan
                 if with_sdpa:
@@ -287,7 +271,7 @@ def sweep_attention_configs(prefix_len: int = 32768, N: int = 64) -> None:
     default = kernel_config(q, 4)
     default_tiles = attention_module.CUDA_TILES
     print(default)
-    ref = tree_attention(q, keys[0], values[0], table, prefix, meta, 1 / 16)
+    ref = paged_tree_attention(q, keys[0], values[0], table, prefix, meta, 1 / 16)
     candidates = [(64, 32, 4, 3), (64, 32, 4, 2), (64, 16, 4, 3), (64, 16, 8, 3), (64, 32, 8, 2),
                   (64, 32, 8, 3), (128, 16, 8, 3), (128, 32, 8, 2)]
     timings = {}

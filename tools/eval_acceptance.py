@@ -1,4 +1,4 @@
-"""Mean accepted length of chain DFlash, DDTree(B) and DFlash-TfM(B) on a prompt set.
+"""Mean accepted length of chain DFlash, DDTree(B) and Weaver(B) trees on a prompt set.
 
     python tools/eval_acceptance.py --out artifacts/eval/tiny_trained.json \
         [--target DIR --dflash DIR --weaver PTH|DIR] [--prompts FILE] \
@@ -6,10 +6,10 @@
 
 Target, drafter and Weaver not given come from --family: the committed trained tiny
 family (models/tiny_trained, the default) or the random one (tools/tiny_family.py);
-`--weaver none` evaluates without TfM rows.
+`--weaver none` evaluates without "weaver" rows.
 
-Each (temperature, method, budget) decodes every prompt for --max-new-tokens tokens with
-the engine's builders and verifiers (tools/training/acceptance.py: the target scores
+Each (temperature, tree, budget) decodes every prompt for --max-new-tokens tokens with
+the engine's draft round and verifiers (tools/training/acceptance.py: the target scores
 every tree node exactly, fp32 transformers; greedy verification at T=0, target-only at
 T>0). The chain is the DFlash block's argmax path (budget = --chain-budget, default the
 drafter's 15 positions). As in the engine, a budget below 15 also shortens the DFlash
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from training import data  # noqa: E402  (training hides fla before transformers loads)
-from training.acceptance import METHODS, Drafters, RunStats, simulate  # noqa: E402
+from training.acceptance import Drafters, RunStats, simulate  # noqa: E402
 from training.dflash import DFlashDrafter  # noqa: E402
 from training.loop import fill_family_defaults, setup_device  # noqa: E402
 from training.target import Target  # noqa: E402
@@ -43,9 +43,11 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver  # noqa: E402
+from vllm_tfm.options import TREE_KINDS  # noqa: E402
 
 REFERENCE_BUDGET = 64
-COLORS = {"chain": "tab:gray", "ddtree": "tab:blue", "tfm": "tab:orange"}
+COLORS = {"chain": "tab:gray", "ddtree": "tab:blue", "weaver": "tab:orange"}
+LABELS = {"ddtree": "DDTree", "weaver": "DFlash-TfM"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -55,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="tiny family that supplies the paths not given")
     parser.add_argument("--target", help="target model directory")
     parser.add_argument("--dflash", help="DFlash drafter directory")
-    parser.add_argument("--weaver", help="Weaver .pth or directory ('none': no TfM rows)")
+    parser.add_argument("--weaver", help="Weaver .pth or directory ('none': no weaver rows)")
     parser.add_argument("--prompts", help="JSON list of prompt strings")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per held-out prompt")
@@ -63,7 +65,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--chain-budget", type=int, help="default: the drafter's depth")
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
-    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--methods", nargs="+", default=list(TREE_KINDS), choices=TREE_KINDS,
+                        help="tree kinds to evaluate")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
@@ -109,7 +112,7 @@ def summarize(runs: list[RunStats], depth: int) -> dict:
 
 
 def _ratios(rows: list[dict], budget: int) -> dict:
-    """tau of chain, DDTree(budget), TfM(budget) per temperature and the TfM gains."""
+    """tau of chain, DDTree(budget), Weaver(budget) per temperature and the Weaver's gains."""
     out = {}
     for temperature in sorted({row["temperature"] for row in rows}):
         taus = {
@@ -118,12 +121,12 @@ def _ratios(rows: list[dict], budget: int) -> dict:
         }
         chain = next((tau for (method, _), tau in taus.items() if method == "chain"), None)
         entry = {"chain": chain, f"ddtree{budget}": taus.get(("ddtree", budget)),
-                 f"tfm{budget}": taus.get(("tfm", budget))}
-        tfm, ddtree = entry[f"tfm{budget}"], entry[f"ddtree{budget}"]
-        if tfm is not None and chain:
-            entry[f"tfm{budget}/chain"] = tfm / chain
-        if tfm is not None and ddtree:
-            entry[f"tfm{budget}/ddtree{budget}"] = tfm / ddtree
+                 f"weaver{budget}": taus.get(("weaver", budget))}
+        weaver, ddtree = entry[f"weaver{budget}"], entry[f"ddtree{budget}"]
+        if weaver is not None and chain:
+            entry[f"weaver{budget}/chain"] = weaver / chain
+        if weaver is not None and ddtree:
+            entry[f"weaver{budget}/ddtree{budget}"] = weaver / ddtree
         out[f"T={temperature:g}"] = entry
     return out
 
@@ -140,7 +143,7 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
                              squeeze=False)
     for (left, right), temperature in zip(axes, temperatures):
         here = [row for row in rows if row["temperature"] == temperature]
-        for method in METHODS:
+        for method in TREE_KINDS:
             mine = sorted((r for r in here if r["method"] == method), key=lambda r: r["budget"])
             if not mine:
                 continue
@@ -149,8 +152,7 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
                              label=f"chain ({mine[0]['budget']} nodes)")
             else:
                 left.plot([r["budget"] for r in mine], [r["tau"] for r in mine], marker="o",
-                          color=COLORS[method],
-                          label="DDTree" if method == "ddtree" else "DFlash-TfM")
+                          color=COLORS[method], label=LABELS[method])
             shown = [r for r in mine if method == "chain" or r["budget"] == reference]
             for r in shown:
                 depths = range(1, len(r["accept_ge_depth"]) + 1)
@@ -184,8 +186,8 @@ def main(argv: list[str] | None = None) -> dict:
         weaver = load_weaver(args.weaver, target_hidden_size=target.hidden_size,
                              target_vocab_size=target.vocab_size, device=device)
         weaver.prepare_tables(target.embed, target.lm_head)
-    elif "tfm" in methods:
-        methods.remove("tfm")
+    elif "weaver" in methods:
+        methods.remove("weaver")
     drafters = Drafters(target, drafter, weaver)
     prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))
     chain_budget = args.chain_budget or drafter.draft_depth

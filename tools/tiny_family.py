@@ -506,11 +506,14 @@ PROMPTS = (
     "if __name__ == '__main__':\n",
     "x = [i * i for i in range(10)]\n",
 )
-# Greedy outputs may differ where the no-speculation run's top-2 logprob margin is below this.
-# The verify pass and the decode pass round bf16 differently: on this family the same
-# position's top-2 margin differed between a plain and a dflash run by 0.25 nats (median),
-# 1.25 (99th percentile), 1.75 (max of 237); bf16 vs fp32 transformers: 1.24 max of 1024.
-TIE_MARGIN = 1.5
+# Greedy outputs may differ where the no-speculation run's top-2 logprob margin is below this
+# (bf16 ties). Measured on the families' own greedy outputs (8 prompts x 32 tokens each), by
+# scoring them again with the same target as one prompt (`greedy_regrets`): decode and
+# prefill passes of the SAME engine disagree by up to 0.75 nats on the random family (1 of
+# 256 tokens; its logits have std 8 and peaks near 40, where bf16 steps are 0.25 nats) and
+# 0.0625 on the trained one; dflash_tfm's divergences from no speculation sat at 0, 0.25 and
+# 0.75 nats there. 1.0 is four bf16 steps of those logits.
+TIE_MARGIN = 1.0
 # vLLM engine settings for the tiny models on CPU (DESIGN §6): bf16, eager, no prefix caching.
 CPU_ENGINE_KWARGS = dict(
     dtype="bfloat16",
@@ -558,8 +561,8 @@ def engine_greedy(
     """Greedy generation in a vLLM engine built in this process, with the CPU settings of
     DESIGN §6 (bf16, eager, no prefix caching, 64 MiB of KV cache).
 
-    Returns a JSON-able dict: `start_s` (engine construction seconds), `tokens` (per prompt,
-    generated ids), `margins` (per prompt and position, top-1 minus top-2 logprob) and,
+    Returns a JSON-able dict: `start_s` (engine construction seconds), `prompt_ids` and
+    `tokens` (per prompt, its ids and the generated ids), `margins` (per prompt and position, top-1 minus top-2 logprob) and,
     without speculation, `chat_text` (one `LLM.chat` reply: the tokenizer's chat template as
     /v1/chat/completions applies it); with speculation, `num_drafts` and `num_accepted` from
     vLLM's spec-decode counters.
@@ -574,9 +577,10 @@ def engine_greedy(
     start_s = time.perf_counter() - started
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
     outputs = llm.generate(list(prompts), params, use_tqdm=False)
-    result: dict = {"start_s": start_s, "tokens": [], "margins": []}
+    result: dict = {"start_s": start_s, "prompt_ids": [], "tokens": [], "margins": []}
     for output in outputs:
         completion = output.outputs[0]
+        result["prompt_ids"].append(list(output.prompt_token_ids))
         result["tokens"].append(list(completion.token_ids))
         result["margins"].append(top2_margins(completion.logprobs))
     if speculative_config is None:
@@ -591,6 +595,32 @@ def engine_greedy(
         result["num_drafts"] = counters.get("vllm:spec_decode_num_drafts", 0)
         result["num_accepted"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     return result
+
+
+def greedy_regrets(
+    target: str | os.PathLike, prompt_ids: list[list[int]], outputs: list[list[int]]
+) -> list[list[float]]:
+    """For each generated token of each output: the target's best logprob minus the token's
+    own, given the prompt and every token generated before it (0: the target's argmax).
+
+    One no-speculation engine scores prompt + output as a prompt (prompt logprobs): the
+    greedy continuation of any prefix is judged, also after two runs part at a tie.
+    """
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(model=str(target), max_num_seqs=len(outputs), **CPU_ENGINE_KWARGS)
+    requests = [TokensPrompt(prompt_token_ids=list(prompt) + list(output))
+                for prompt, output in zip(prompt_ids, outputs, strict=True)]
+    scored = llm.generate(requests, SamplingParams(max_tokens=1, prompt_logprobs=1),
+                          use_tqdm=False)
+    del llm
+    regrets = []
+    for prompt, output, result in zip(prompt_ids, outputs, scored):
+        positions = result.prompt_logprobs[len(prompt):]
+        regrets.append([max(entry.logprob for entry in position.values()) -
+                        position[token].logprob for token, position in zip(output, positions)])
+    return regrets
 
 
 def _sampling_params(params: dict):

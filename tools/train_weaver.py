@@ -46,8 +46,8 @@ from training.loop import (  # noqa: E402
 )
 from training.target import Target  # noqa: E402
 from training.weaver_lk import (  # noqa: E402
-    candidate_pools,
     lk_loss,
+    lm_head_pools,
     pool_target,
     teacher_forced_logq,
 )
@@ -62,6 +62,7 @@ from vllm_tfm.drafting.weaver_checkpoint import (  # noqa: E402
     save_weaver_public,
     save_weaver_safetensors,
 )
+from vllm_tfm.options import DEFAULT_BASELINE_POOL  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -79,7 +80,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--mlp-dim", type=int, default=256)
     parser.add_argument("--num-layers", type=int, default=1)
     parser.add_argument("--layout", default="rope_swiglu", choices=LAYOUTS)
-    parser.add_argument("--pool-size", type=int, default=512)
+    parser.add_argument("--pool-size", type=int, default=DEFAULT_BASELINE_POOL)
     parser.add_argument("--batch", type=int, default=16, help="sequences per step")
     parser.add_argument("--anchors", type=int, default=4, help="blocks per sequence")
     parser.add_argument("--eval-budget", type=int, default=64)
@@ -124,7 +125,7 @@ class Blocks:
         blocks = self.drafter.block_inputs(tokens.gather(1, anchors))
         hidden = self.drafter(self.aux[rows].to(device), blocks, anchors, self.target.embed)
         hidden = hidden[:, :, 1:]
-        ids, scores = candidate_pools(hidden, self.target.lm_head, self.pool_size)
+        ids, scores = lm_head_pools(hidden, self.target.lm_head, self.pool_size)
         p, retained = pool_target(self.target.logits(final[batch, span].float()), ids)
         flat = lambda t: t.flatten(0, 1)  # noqa: E731
         return {
@@ -196,11 +197,11 @@ def main(argv: list[str] | None = None) -> dict:
         with torch.no_grad():
             terms = lk_loss(held_inputs["p"], _logq(weaver, target, held_inputs))
             weaver.prepare_tables(target.embed, target.lm_head)
-            tau = greedy_tau(drafters, "tfm", args.eval_budget, *held)
+            tau = greedy_tau(drafters, "weaver", args.eval_budget, *held)
         weaver.train()
         return {"step": step, "heldout_lk_loss": terms.loss.item(),
                 "heldout_alpha": terms.alpha.mean().item(),
-                f"heldout_greedy_tau_tfm{args.eval_budget}": tau}
+                f"heldout_greedy_tau_weaver{args.eval_budget}": tau}
 
     def loss_at(step: int):
         generator = step_generator(args.seed, step)

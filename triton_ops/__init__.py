@@ -1,13 +1,28 @@
-"""Triton kernels for tree speculative decoding, each beside a PyTorch reference."""
+"""Triton kernels for tree speculative decoding, each beside a PyTorch reference.
 
-from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+One subpackage per op (``gdn_tree``, ``tree_conv``, ``tree_attention``,
+``pool_logits``), each with its ``naive`` reference; ``tree_metadata`` holds
+the step's topology that all of them read, ``utils`` the backend choice,
+checks and jit helpers they share, ``testing`` the random trees of the tests
+and benchmarks. The names below bind no submodule's name, so every
+``import triton_ops.<op>.<module>`` still works after ``import triton_ops``.
+"""
+
+from triton_ops.gdn_tree import GDNTreeVerifyOutput, gdn_tree_commit, gdn_tree_verify
+from triton_ops.pool_logits import pool_logits_log_softmax
+from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
+from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
-__all__ = ["TreeMetadata", "build_tree_metadata"]
-__all__ += ["tree_conv1d", "tree_conv1d_commit"]
-from triton_ops.pool_logits import naive_pool_logits_log_softmax, pool_logits_log_softmax  # noqa: E402
-__all__ += ["naive_pool_logits_log_softmax", "pool_logits_log_softmax"]
-from triton_ops.gdn_tree import GDNTreeVerifyOutput, gdn_tree_commit, gdn_tree_verify, naive_recurrent_gdn_tree  # noqa: E402
-__all__ += ["GDNTreeVerifyOutput", "gdn_tree_commit", "gdn_tree_verify", "naive_recurrent_gdn_tree"]
-from triton_ops.tree_attention import tree_attention, tree_kv_commit  # noqa: E402
-__all__ += ["tree_attention", "tree_kv_commit"]
+__all__ = [
+    "GDNTreeVerifyOutput",
+    "TreeMetadata",
+    "build_tree_metadata",
+    "gdn_tree_commit",
+    "gdn_tree_verify",
+    "paged_tree_attention",
+    "pool_logits_log_softmax",
+    "tree_conv1d",
+    "tree_conv1d_commit",
+    "tree_kv_commit",
+]

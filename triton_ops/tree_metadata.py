@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_ops.utils import INDEX_DTYPES, check_index_vector, host_readable
+
 BITS_PER_WORD = 64
 
 
@@ -74,13 +76,11 @@ class TreeMetadata:
 
 
 def check_accepted_leaf(accepted_leaf: torch.Tensor, meta: TreeMetadata) -> None:
-    if accepted_leaf.shape != (meta.batch_size,):
-        raise ValueError(
-            f"accepted_leaf must have shape [{meta.batch_size}], "
-            f"got {list(accepted_leaf.shape)}"
-        )
-    if accepted_leaf.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"accepted_leaf must be int32 or int64, got {accepted_leaf.dtype}")
+    """[B] int32/int64, each -1 (nothing accepted) or a real node; the values are
+    checked where that costs no host sync (:func:`~triton_ops.utils.host_readable`)."""
+    check_index_vector("accepted_leaf", accepted_leaf, meta.batch_size)
+    if not host_readable(accepted_leaf):
+        return
     bad = (accepted_leaf < -1) | (accepted_leaf >= meta.num_nodes.to(accepted_leaf.device))
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
@@ -90,10 +90,37 @@ def check_accepted_leaf(accepted_leaf: torch.Tensor, meta: TreeMetadata) -> None
         )
 
 
+def check_node_tensor(
+    meta: TreeMetadata, name: str, t: torch.Tensor, dims: tuple[str, ...]
+) -> None:
+    """``t`` must be [B, N, *dims] for the B requests of N nodes that ``meta``
+    describes; ``dims`` names the trailing dimensions for the error."""
+    if not isinstance(meta, TreeMetadata):
+        raise ValueError(f"meta must be a TreeMetadata, got {type(meta).__name__}")
+    if t.dim() != 2 + len(dims) or t.shape[:2] != (meta.batch_size, meta.max_nodes):
+        raise ValueError(
+            f"{name} must be [B={meta.batch_size}, N={meta.max_nodes}, {', '.join(dims)}] "
+            f"as meta describes, got {list(t.shape)}"
+        )
+
+
+def root_to_node_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root down to ``node``, following ``parents`` (-1 ends).
+
+    The per-node walk that defines the topology; the naive references use it
+    instead of the vectorised fields built here, so they check those too.
+    """
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
 def _validate_parents(parents: torch.Tensor, num_nodes: torch.Tensor) -> None:
     if parents.dim() != 2:
         raise ValueError(f"parents must be [B, N], got shape {list(parents.shape)}")
-    if parents.dtype not in (torch.int32, torch.int64):
+    if parents.dtype not in INDEX_DTYPES:
         raise ValueError(f"parents must be int32 or int64, got {parents.dtype}")
     B, N = parents.shape
     if B == 0 or N == 0:

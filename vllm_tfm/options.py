@@ -1,7 +1,9 @@
 """The user-facing options of ``{"method": "dflash_tfm", ...}``.
 
 Parsed and checked here, before any engine starts, so a bad value fails with
-a message naming the field. No vLLM import: the glue hands us the plain dict.
+a message naming the field. No vLLM (nor torch) import: the glue hands us the
+plain dict. The defaults and rules declared here (pool size, fanout, expand
+width, draft depth) are the ones the drafting core and the tools use too.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ MAX_BUDGET = 127
 MAX_EXPAND_WIDTH = 32
 # Pool of a baseline tree (ddtree / chain) when none is given: the paper's top-512.
 DEFAULT_BASELINE_POOL = 512
+# Children a Weaver node pushes to the frontier (DESIGN.md section 3: c = 8).
+DEFAULT_FANOUT = 8
 # DFlash drafters are trained with a block of 16: bonus token + 15 masks.
 DFLASH_DRAFT_DEPTH = 15
 
@@ -33,7 +37,7 @@ class TfmOptions:
     verify: str = "auto"
     weaver: str | None = None
     expand_width: int | None = None
-    fanout: int = 8
+    fanout: int = DEFAULT_FANOUT
     # None until resolved against the checkpoint (``resolve_candidate_pool``).
     candidate_pool: int | None = None
     draft_depth: int = DFLASH_DRAFT_DEPTH
@@ -49,7 +53,20 @@ class TfmOptions:
     def resolved_expand_width(self) -> int:
         if self.expand_width is not None:
             return self.expand_width
-        return min(-(-self.budget // 16), MAX_EXPAND_WIDTH)
+        return default_expand_width(self.budget)
+
+
+def default_expand_width(budget: int) -> int:
+    """Nodes expanded per Weaver call: ceil(budget / 16), in [1, MAX_EXPAND_WIDTH]."""
+    return max(1, min(-(-budget // 16), MAX_EXPAND_WIDTH))
+
+
+def default_candidate_pool(vocab_size: int, weaver_pool_size: int | None) -> int:
+    """The Weaver's ``candidate_pool_size`` (what it was trained on), else
+    ``min(DEFAULT_BASELINE_POOL, vocab_size)``."""
+    if weaver_pool_size is not None:
+        return weaver_pool_size
+    return min(DEFAULT_BASELINE_POOL, vocab_size)
 
 
 # Keys of the speculative config that belong to dflash_tfm, not to vLLM.
@@ -109,7 +126,7 @@ def split_speculative_config(
     tree = _choice_field(config, "tree", "weaver", TREE_KINDS)
     verify = _choice_field(config, "verify", "auto", VERIFY_MODES)
     candidate_pool = _int_field(config, "candidate_pool", None, 1, 1 << 20)
-    fanout = _int_field(config, "fanout", 8, 1, candidate_pool or 1 << 20)
+    fanout = _int_field(config, "fanout", DEFAULT_FANOUT, 1, candidate_pool or 1 << 20)
     expand_width = _int_field(config, "expand_width", None, 1, MAX_EXPAND_WIDTH)
     weaver = config.get("weaver")
     if tree == "weaver":
@@ -151,8 +168,7 @@ def resolve_candidate_pool(
     """
     pool = options.candidate_pool
     if pool is None:
-        pool = weaver_pool_size if weaver_pool_size is not None else \
-            min(DEFAULT_BASELINE_POOL, vocab_size)
+        pool = default_candidate_pool(vocab_size, weaver_pool_size)
         if pool > vocab_size:
             raise ValueError(
                 f"speculative_config['weaver']: candidate_pool_size {pool} exceeds the "

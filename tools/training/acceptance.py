@@ -1,11 +1,11 @@
-"""Mean accepted length of chain / DDTree / DFlash-TfM drafting, with the engine's own
-tree builders and verifiers.
+"""Mean accepted length of chain / DDTree / Weaver drafting, with the engine's own
+draft round and verifiers.
 
-Drafting follows the engine's proposer (vllm_tfm/vllm_glue/proposer.py): a DFlash block
-of D = min(block_size - 1, budget[, Weaver K]) masks after the root (the previous bonus
-token), pools = top-min(512, V) raw target-LM-head logits per position, then
-`build_chain` / `build_ddtree` / Weaver's `start_round` + `build_weaver_tree` (fanout 8,
-expand width min(ceil(B / 16), 32)).
+Drafting is the engine's (vllm_tfm/drafting/draft_round.py, which the proposer also
+calls): a DFlash block of D = `draft_depth` masks after the root (the previous bonus
+token), `candidate_pools` of the raw target-LM-head logits per position (pool size as
+the engine resolves it: the Weaver's for tree "weaver", else min(512, V)), then
+`draft_trees` with the engine's default fanout and expand width.
 
 Two measurements:
 
@@ -34,47 +34,43 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vllm_tfm.drafting.builders import build_chain, build_ddtree, build_weaver_tree
+from vllm_tfm.drafting.draft_round import draft_depth, draft_trees
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only
 from vllm_tfm.drafting.weaver import Weaver
+from vllm_tfm.options import TREE_KINDS, default_candidate_pool
 
 from training.dflash import DFlashDrafter
 from training.target import Target
-from training.weaver_lk import candidate_pools
-
-METHODS = ("chain", "ddtree", "tfm")
-POOL_SIZE = 512
-FANOUT = 8
+from training.weaver_lk import lm_head_pools
 
 
 @dataclass
 class Drafters:
-    """What drafting needs: the frozen target, the DFlash drafter and (for "tfm") a
-    Weaver whose tables were prepared from the target."""
+    """What drafting needs: the frozen target, the DFlash drafter and (for tree "weaver")
+    a Weaver whose tables were prepared from the target. `pool_size` None: the pool the
+    engine would use (`options.default_candidate_pool`)."""
 
     target: Target
     dflash: DFlashDrafter
     weaver: Weaver | None = None
-    pool_size: int = POOL_SIZE
+    pool_size: int | None = None
 
-    def depth(self, method: str, budget: int) -> int:
+    def depth(self, tree: str, budget: int) -> int:
         """Draft positions D of a round, as the engine sizes them."""
-        depth = min(self.dflash.draft_depth, budget)
-        if method == "tfm":
-            depth = min(depth, self.weaver.config.K)
-        return depth
+        return draft_depth(budget, self.dflash.draft_depth,
+                           self.weaver if tree == "weaver" else None)
 
-    def check(self, method: str, budget: int) -> None:
-        if method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    def check(self, tree: str, budget: int) -> None:
+        if tree not in TREE_KINDS:
+            raise ValueError(f"tree must be one of {list(TREE_KINDS)}, got {tree!r}")
         if budget < 1:
             raise ValueError(f"budget must be >= 1, got {budget}")
-        if method == "tfm" and self.weaver is None:
-            raise ValueError("method 'tfm' needs a Weaver")
+        if tree == "weaver" and self.weaver is None:
+            raise ValueError("tree 'weaver' needs a Weaver")
 
     @torch.no_grad()
-    def propose(self, method: str, budget: int, roots: torch.Tensor, aux: torch.Tensor,
+    def propose(self, tree: str, budget: int, roots: torch.Tensor, aux: torch.Tensor,
                 anchors: torch.Tensor, h_v: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
         """Draft trees for R requests.
 
@@ -86,26 +82,22 @@ class Drafters:
         Returns:
             the trees and their pools' ids [R, D, P].
         """
-        self.check(method, budget)
-        depth = self.depth(method, budget)
-        embed, lm_head = self.target.embed, self.target.lm_head
+        self.check(tree, budget)
+        depth = self.depth(tree, budget)
         blocks = self.dflash.block_inputs(roots, depth)[:, None]
-        hidden = self.dflash(aux, blocks, anchors[:, None], embed)[:, 0, 1:]
-        ids, scores = candidate_pools(hidden, lm_head, self.pool_size)
-        if method == "chain":
-            return build_chain(roots, ids, scores, budget), ids
-        if method == "ddtree":
-            return build_ddtree(roots, ids, scores, budget), ids
-        weaver = self.weaver
-        session = weaver.start_round(h_v.to(weaver.device, weaver.dtype),
-                                     hidden.to(weaver.device, weaver.dtype), ids, scores,
-                                     max_nodes=budget + 1)
-        tree = build_weaver_tree(roots, ids, session, budget, fanout=FANOUT, max_depth=depth)
-        return tree, ids
+        hidden = self.dflash(aux, blocks, anchors[:, None], self.target.embed)[:, 0, 1:]
+        pool_size = self.pool_size
+        if pool_size is None:
+            weaver_pool = self.weaver.config.candidate_pool_size if tree == "weaver" else None
+            pool_size = default_candidate_pool(self.target.vocab_size, weaver_pool)
+        pools = lm_head_pools(hidden, self.target.lm_head, pool_size)
+        trees = draft_trees(tree, roots, pools, budget, weaver=self.weaver, h_v=h_v,
+                            dflash_hidden=hidden)
+        return trees, pools.ids
 
 
 @torch.no_grad()
-def greedy_tau(drafters: Drafters, method: str, budget: int, tokens: torch.Tensor,
+def greedy_tau(drafters: Drafters, tree: str, budget: int, tokens: torch.Tensor,
                aux: torch.Tensor, final: torch.Tensor, prompt_len: int) -> float:
     """tau of greedy decoding along greedy continuations (see the module docstring).
 
@@ -116,9 +108,9 @@ def greedy_tau(drafters: Drafters, method: str, budget: int, tokens: torch.Tenso
 
     All rows decode in lockstep; a row stops when its next block would read past T.
     """
-    drafters.check(method, budget)
+    drafters.check(tree, budget)
     device = drafters.target.device
-    depth = drafters.depth(method, budget)
+    depth = drafters.depth(tree, budget)
     count, length = tokens.shape
     tokens = tokens.to(device)
     position = torch.full((count,), prompt_len, dtype=torch.int64, device=device)
@@ -129,12 +121,12 @@ def greedy_tau(drafters: Drafters, method: str, budget: int, tokens: torch.Tenso
             break
         anchor = position[rows]
         row_tokens = tokens[rows]
-        tree, _ = drafters.propose(
-            method, budget, row_tokens.gather(1, anchor[:, None])[:, 0],
+        drafted, _ = drafters.propose(
+            tree, budget, row_tokens.gather(1, anchor[:, None])[:, 0],
             aux[rows.cpu()].to(device), anchor, final[rows.cpu(), (anchor - 1).cpu()].to(device),
         )
-        truth = row_tokens.gather(1, anchor[:, None] + tree.depths.long() + 1)
-        result = verify_greedy(tree, F.one_hot(truth, drafters.target.vocab_size).float())
+        truth = row_tokens.gather(1, anchor[:, None] + drafted.depths.long() + 1)
+        result = verify_greedy(drafted, F.one_hot(truth, drafters.target.vocab_size).float())
         produced += int((result.accepted_len + 1).sum())
         steps += rows.numel()
         position[rows] += result.accepted_len + 1
@@ -187,14 +179,14 @@ def _leaf_paths(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def simulate(drafters: Drafters, method: str, budget: int, prompt: torch.Tensor,
+def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
              temperature: float, max_new_tokens: int, seed: int) -> RunStats:
     """Generate at least `max_new_tokens` tokens after `prompt` ([S] int64) with drafting.
 
     temperature 0: greedy (`verify_greedy`); > 0: target samples at that temperature
     (`verify_target_only`), the prefill token drawn with a generator seeded by `seed`.
     """
-    drafters.check(method, budget)
+    drafters.check(tree, budget)
     if temperature < 0 or max_new_tokens < 1 or prompt.numel() < 1:
         raise ValueError(
             f"need temperature >= 0, max_new_tokens >= 1 and a non-empty prompt; got "
@@ -214,25 +206,25 @@ def simulate(drafters: Drafters, method: str, budget: int, prompt: torch.Tensor,
     stats = RunStats(tokens=[int(root)])
     while len(stats.tokens) - 1 < max_new_tokens:
         anchor = torch.tensor([session.length], device=device)
-        tree, pool_ids = drafters.propose(method, budget, root.view(1), aux, anchor, h_v)
-        nodes, paths = _leaf_paths(tree)
+        drafted, pool_ids = drafters.propose(tree, budget, root.view(1), aux, anchor, h_v)
+        nodes, paths = _leaf_paths(drafted)
         scored = session.score_paths(paths.to(device)).logits  # [L, S, V]
-        node_logits = scored.new_zeros(tree.max_nodes, scored.shape[-1])
+        node_logits = scored.new_zeros(drafted.max_nodes, scored.shape[-1])
         real = nodes >= 0
         node_logits[nodes[real].to(device)] = scored[real.to(device)]
         if temperature == 0:
-            result = verify_greedy(tree, node_logits[None])
+            result = verify_greedy(drafted, node_logits[None])
         else:
             probs = torch.softmax(node_logits / temperature, -1)
             seeds = derive_seeds(torch.tensor([seed], device=device), stats.steps)
-            result = verify_target_only(tree, probs[None], seeds)
+            result = verify_target_only(drafted, probs[None], seeds)
         accepted = int(result.accepted_len[0])
         path = result.path[0, : accepted + 1]
         mass = torch.softmax(node_logits[path[: pool_ids.shape[1]]], -1)
         rows = pool_ids[0, : mass.shape[0]]
         stats.retained.append(mass.gather(-1, rows).sum(-1).tolist())
         stats.accepted.append(accepted)
-        committed = tree.tokens[0, path]
+        committed = drafted.tokens[0, path]
         out = session.extend(committed[None])
         aux = torch.cat([aux, out.aux], 1)
         h_v = out.final[:, -1]

@@ -5,9 +5,10 @@ the ground-truth path are x_p (root, depth 0), x_{p+1} (depth 1), ..., x_{p+D-1}
 scores pool row j (the candidates for x_{p+j+1}). A node attends to the D+1 prefix
 entries, its ancestors and itself, so the prefix followed by the path's nodes is ONE
 causal sequence of 2D+1 entries (positions 0..D, then 1..D): the whole path trains in
-one pass. The inference path (`Weaver.start_round` / `WeaverRound.expand`) runs under
-no_grad and reads cached vocabulary tables; here the same quantities are recomputed from
-the parameters: token_in(embed_norm(E[token])) for a node's input, and
+one pass (`Weaver.causal_pass` with the path appended). The inference path
+(`Weaver.start_round` / `WeaverRound.expand`) runs under no_grad and reads cached
+vocabulary tables; here the same quantities are recomputed from the parameters:
+token_in(embed_norm(E[token])) for a node's input, and
 <W_lm[c], lm_head_query_in(y)> (= <(W_lm @ lm_head_query_in.weight)[c], y>) for the
 residual logits, so gradients reach token_in, embed_norm and lm_head_query_in.
 
@@ -24,26 +25,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vllm_tfm.drafting.draft_round import CandidatePools, candidate_pools
 from vllm_tfm.drafting.weaver import Weaver
 
 LK_ETA = 2.0
 GREEDY_WEIGHT = 0.1
 
 
-def candidate_pools(dflash_hidden: torch.Tensor, lm_head: torch.Tensor, pool_size: int):
-    """The engine's pools: top-P raw target-LM-head logits per draft position.
+def lm_head_pools(dflash_hidden: torch.Tensor, lm_head: torch.Tensor,
+                  pool_size: int) -> CandidatePools:
+    """The engine's pools (`candidate_pools`) with the target's LM head as a plain matmul.
 
     Args:
         dflash_hidden: [..., D, d] DFlash final states at block positions 1..D.
         lm_head: [V, d] target LM head.
         pool_size: P requested (min(P, V) is used).
-
-    Returns:
-        ids [..., D, P] int64 and scores [..., D, P] float32, scores descending.
     """
-    logits = (dflash_hidden.to(lm_head.dtype) @ lm_head.T).float()
-    scores, ids = torch.topk(logits, min(pool_size, logits.shape[-1]), dim=-1)
-    return ids, scores
+    return candidate_pools(dflash_hidden.to(lm_head.dtype) @ lm_head.T, pool_size)
 
 
 def teacher_forced_logq(
@@ -75,20 +73,8 @@ def teacher_forced_logq(
             f"start with dflash_hidden's [M, D] = {list(dflash_hidden.shape[:2])}"
         )
     dtype = weaver.dtype
-    states = torch.cat([h_v[:, None], dflash_hidden], 1).to(dtype)
-    prefix = weaver.proposal_in(weaver.output_norm(states))
     nodes = weaver.token_in(weaver.embed_norm(F.embedding(node_tokens, embed).to(dtype)))
-    device = prefix.device
-    positions = torch.cat([torch.arange(depth + 1), torch.arange(1, depth + 1)]).to(device)
-    x = weaver._add_positions(torch.cat([prefix, nodes], 1), positions)
-    width = 2 * depth + 1
-    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-    scale = weaver.config.head_dim**-0.5
-    for block in weaver.blocks:
-        q, k, v = block.qkv(x, positions)
-        scores = torch.einsum("mthd,mshd->mhts", q.float(), k.float()) * scale
-        probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
-        x = block.finish(x, torch.einsum("mhts,mshd->mthd", probs, v.float()))
+    x = weaver.causal_pass(h_v.to(dtype), dflash_hidden.to(dtype), nodes).hidden
     y = weaver.out_norm(x[:, depth + 1 :])
     query = weaver.lm_head_query_in(y).float()  # [M, D, d_model]
     residual = (query @ lm_head.float().T).gather(-1, pool_ids)

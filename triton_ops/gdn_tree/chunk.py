@@ -21,14 +21,19 @@ batched PyTorch form (:mod:`.chunk_torch`); ``backend=`` overrides the choice.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
-from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
+from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf, check_node_tensor
+from triton_ops.utils import (
+    FLOAT_DTYPES,
+    check_index_vector,
+    check_same_device,
+    host_readable,
+    use_triton,
+)
 
-BACKENDS = ("auto", "torch", "triton")
 # Dot-product precision of the Triton kernels for fp32 operands: "tf32" rounds
 # operands to 10 mantissa bits (~1e-3 relative error), "tf32x3" splits each
 # operand in two tf32 halves (~1e-6, three tensor-core passes), "ieee" uses
@@ -36,7 +41,6 @@ BACKENDS = ("auto", "torch", "triton")
 PRECISIONS = ("tf32x3", "tf32", "ieee")
 DEFAULT_PRECISION = "tf32x3"
 MAX_HEAD_DIM = 256
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -93,16 +97,16 @@ def gdn_tree_verify(
         scale: query scale, ``K ** -0.5`` by default.
         use_qk_l2norm: L2-normalise q and k first (eps 1e-6, as fla does).
         backend: "auto" (Triton for CUDA tensors, PyTorch otherwise), "torch",
-            or "triton" (CPU tensors need ``TRITON_INTERPRET=1``).
+            or "triton" (see :func:`triton_ops.utils.use_triton`).
         precision: dot precision of the Triton kernels, one of ``PRECISIONS``.
 
     Returns:
         :class:`GDNTreeVerifyOutput`.
     """
-    use_triton = _resolve_backend(backend, q)
-    _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, use_triton, precision)
+    triton_path = use_triton(backend, q)
+    _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, triton_path, precision)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    if use_triton:
+    if triton_path:
         from triton_ops.gdn_tree.chunk_triton import verify_triton
 
         return verify_triton(
@@ -138,9 +142,9 @@ def gdn_tree_commit(
             or -1: nothing accepted, the slot is left bit-identical.
         backend, precision: as in :func:`gdn_tree_verify`.
     """
-    use_triton = _resolve_backend(backend, ssm_state)
+    triton_path = use_triton(backend, ssm_state)
     _check_commit_inputs(ssm_state, state_slots, meta, verify_out, accepted_leaf, precision)
-    if use_triton:
+    if triton_path:
         from triton_ops.gdn_tree.chunk_triton import commit_triton
 
         commit_triton(ssm_state, state_slots, meta, verify_out, accepted_leaf, precision)
@@ -150,31 +154,9 @@ def gdn_tree_commit(
     commit_torch(ssm_state, state_slots, meta, verify_out, accepted_leaf)
 
 
-def _resolve_backend(backend: str, like: torch.Tensor) -> bool:
-    """True when the Triton kernels run."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return like.is_cuda
-    if backend == "triton" and not like.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1")
-    return backend == "triton"
-
-
-def _check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, expected {device} like the other inputs")
-
-
 def _check_slots(state_slots: torch.Tensor, batch: int, num_slots: int) -> None:
-    if state_slots.shape != (batch,) or state_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"state_slots must be an int32/int64 [{batch}] tensor, "
-            f"got {state_slots.dtype} {list(state_slots.shape)}"
-        )
-    # On CUDA the range check would cost a host sync per layer; CPU pays nothing.
-    if not state_slots.is_cuda and bool(((state_slots < 0) | (state_slots >= num_slots)).any()):
+    check_index_vector("state_slots", state_slots, batch)
+    if host_readable(state_slots) and bool(((state_slots < 0) | (state_slots >= num_slots)).any()):
         raise ValueError(f"state_slots must lie in [0, {num_slots}), got {state_slots.tolist()}")
 
 
@@ -183,22 +165,21 @@ def _check_precision(precision: str) -> None:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
 
 
-def _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, use_triton, precision):
+def _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, triton_path, precision):
     _check_precision(precision)
-    if q.dim() != 4:
-        raise ValueError(f"q must be [B, N, H, K], got shape {list(q.shape)}")
+    check_node_tensor(meta, "q", q, ("H", "K"))
     B, N, H, K = q.shape
     if k.shape != q.shape:
         raise ValueError(f"k must have q's shape {list(q.shape)}, got {list(k.shape)}")
-    if v.dim() != 4 or v.shape[:2] != (B, N):
-        raise ValueError(f"v must be [B={B}, N={N}, HV, V], got shape {list(v.shape)}")
+    check_node_tensor(meta, "v", v, ("HV", "V"))
     HV, V = v.shape[2], v.shape[3]
     if H == 0 or HV % H != 0:
         raise ValueError(f"v's head count HV={HV} must be a multiple of q's H={H}")
     for name, dim in (("K", K), ("V", V)):
         if not 1 <= dim <= MAX_HEAD_DIM:
             raise ValueError(f"head dim {name}={dim} must lie in [1, {MAX_HEAD_DIM}]")
-    allowed = _FLOAT_DTYPES[:3] if use_triton else _FLOAT_DTYPES
+    # float64 is the torch path's exact mode; the kernels compute in fp32.
+    allowed = FLOAT_DTYPES if triton_path else (*FLOAT_DTYPES, torch.float64)
     if q.dtype not in allowed:
         raise ValueError(f"q must have one of the dtypes {allowed}, got {q.dtype}")
     for name, t in (("k", k), ("v", v)):
@@ -217,28 +198,18 @@ def _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, use_tri
         )
     if ssm_state.dtype not in _STATE_DTYPES:
         raise ValueError(f"ssm_state must be one of {_STATE_DTYPES}, got {ssm_state.dtype}")
-    _check_meta(meta, B, N)
-    _check_same_device(
-        q.device, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_slots=state_slots,
+    check_same_device(
+        "q", q, k=k, v=v, g=g, beta=beta, ssm_state=ssm_state, state_slots=state_slots,
         meta=meta.parents,
     )
     _check_slots(state_slots, B, ssm_state.shape[0])
-
-
-def _check_meta(meta: TreeMetadata, batch: int, nodes: int) -> None:
-    if not isinstance(meta, TreeMetadata):
-        raise ValueError(f"meta must be a TreeMetadata, got {type(meta).__name__}")
-    if (meta.batch_size, meta.max_nodes) != (batch, nodes):
-        raise ValueError(
-            f"meta describes B={meta.batch_size}, N={meta.max_nodes} but the inputs have "
-            f"B={batch}, N={nodes}"
-        )
 
 
 def _check_commit_inputs(ssm_state, state_slots, meta, verify_out, accepted_leaf, precision):
     _check_precision(precision)
     if not isinstance(verify_out, GDNTreeVerifyOutput):
         raise ValueError(f"verify_out must be a GDNTreeVerifyOutput, got {type(verify_out).__name__}")
+    check_node_tensor(meta, "verify_out.delta", verify_out.delta, ("HV", "V"))
     B, N, HV, V = verify_out.delta.shape
     K = verify_out.k_normed.shape[-1]
     if ssm_state.dim() != 4 or ssm_state.shape[1:] != (HV, K, V):
@@ -248,22 +219,9 @@ def _check_commit_inputs(ssm_state, state_slots, meta, verify_out, accepted_leaf
         )
     if ssm_state.dtype not in _STATE_DTYPES:
         raise ValueError(f"ssm_state must be one of {_STATE_DTYPES}, got {ssm_state.dtype}")
-    _check_meta(meta, B, N)
-    if accepted_leaf.is_cuda:
-        _check_leaf_shape(accepted_leaf, B)
-    else:
-        check_accepted_leaf(accepted_leaf, meta)
-    _check_same_device(
-        ssm_state.device, state_slots=state_slots, meta=meta.parents, accepted_leaf=accepted_leaf,
-        delta=verify_out.delta,
+    check_accepted_leaf(accepted_leaf, meta)
+    check_same_device(
+        "ssm_state", ssm_state, state_slots=state_slots, meta=meta.parents,
+        accepted_leaf=accepted_leaf, verify_out=verify_out.delta,
     )
     _check_slots(state_slots, B, ssm_state.shape[0])
-
-
-def _check_leaf_shape(accepted_leaf: torch.Tensor, batch: int) -> None:
-    # The value range check of check_accepted_leaf would sync the host on CUDA.
-    if accepted_leaf.shape != (batch,) or accepted_leaf.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"accepted_leaf must be an int32/int64 [{batch}] tensor, "
-            f"got {accepted_leaf.dtype} {list(accepted_leaf.shape)}"
-        )

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
 from triton_ops.tree_metadata import TreeMetadata
+from triton_ops.utils import bit_is_set, dot_block
 
 ROW_BLOCK = 16
 # Largest node count handled as one tile; beyond it the row-block kernel runs.
@@ -41,14 +42,10 @@ MIN_BLOCK_V = 32
 _STATE_TILE_ELEMS = 8192
 
 
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
 def default_block_v(K: int, V: int) -> int:
     """Value columns per row-block verify program, within the register cap."""
-    BK = _pow2_at_least_16(K)
-    return max(MIN_BLOCK_V, min(_pow2_at_least_16(V), 64, _STATE_TILE_ELEMS // BK))
+    BK = dot_block(K)
+    return max(MIN_BLOCK_V, min(dot_block(V), 64, _STATE_TILE_ELEMS // BK))
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -56,7 +53,7 @@ def default_tile_config(heads: int, V: int) -> tuple[int, int]:
     so that the programs cover the GPU; every program re-solves its head's
     triangular system, which is cheap next to the value-side products."""
     BV = 32 if heads < 128 else 64 if heads < 512 else 128
-    return max(MIN_BLOCK_V, min(BV, _pow2_at_least_16(V))), 4
+    return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
 
 
 @triton.jit
@@ -83,7 +80,7 @@ def ancestor_bits(words, row_base, rows, cols, W, n_valid):
     """
     mask = (rows[:, None] < n_valid) & (cols[None, :] < n_valid)
     w = tl.load(words + (row_base + rows[:, None]) * W + cols[None, :] // 64, mask=mask, other=0)
-    return ((w >> (cols[None, :] % 64).to(tl.int64)) & 1) != 0
+    return bit_is_set(w, cols[None, :])
 
 
 @triton.jit
@@ -371,7 +368,7 @@ def _commit_kernel(
         slot = tl.load(slots + b).to(tl.int64)
         nodes = tl.arange(0, NP)
         w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < N, other=0)
-        on_path = ((w >> (nodes % 64).to(tl.int64)) & 1) != 0
+        on_path = bit_is_set(w, nodes)
         gate_sum += b * N * HV + hv
         g_leaf = tl.load(gate_sum + leaf * HV)
         b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
@@ -412,8 +409,8 @@ def verify_triton(
     ``block_v`` and ``num_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    BK = _pow2_at_least_16(K)
-    NP = _pow2_at_least_16(N)
+    BK = dot_block(K)
+    NP = dot_block(N)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
@@ -455,9 +452,9 @@ def commit_triton(
 ) -> None:
     B, N, HV, V = out.delta.shape
     H, K = out.k_normed.shape[2], out.k_normed.shape[3]
-    NP = _pow2_at_least_16(N)
-    BK = min(_pow2_at_least_16(K), 64)
-    BV = min(_pow2_at_least_16(V), 64)
+    NP = dot_block(N)
+    BK = min(dot_block(K), 64)
+    BV = min(dot_block(V), 64)
     words = meta.ancestor_words.contiguous()
     _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
         ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,

@@ -14,6 +14,7 @@ import triton.language as tl
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, _check_verify_inputs
 from triton_ops.gdn_tree.chunk_triton import l2_normalize_rows
 from triton_ops.tree_metadata import TreeMetadata
+from triton_ops.utils import dot_block, use_triton
 
 
 @triton.jit
@@ -95,7 +96,9 @@ def fused_recurrent_gdn_tree(
         node_states: [B, N, HV, K, V] fp32, node ``i``'s state; padding rows
             are left as they were.
     """
-    _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, True, DEFAULT_PRECISION)
+    # Kernel only: use_triton raises the shared error where no kernel can run.
+    _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta,
+                         use_triton("triton", q), DEFAULT_PRECISION)
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if node_states is None:
@@ -108,7 +111,7 @@ def fused_recurrent_gdn_tree(
             f"got {node_states.dtype} {list(node_states.shape)}"
         )
     scale = K**-0.5 if scale is None else float(scale)
-    BK = max(16, triton.next_power_of_2(K))
+    BK = dot_block(K)
     BV = max(16, min(triton.next_power_of_2(V), 8192 // BK, 64))
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=q.device)
     _recurrent_kernel[(triton.cdiv(V, BV), B * HV)](

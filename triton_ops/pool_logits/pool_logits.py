@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-BACKENDS = ("auto", "triton", "torch")
+from triton_ops.utils import check_same_device, output_buffer, use_triton
 
 # The torch path gathers [rows, P, D] table entries at once; bounding the chunk
 # keeps a 512-entry pool over a 2048-wide table from allocating gigabytes.
@@ -38,21 +38,22 @@ def pool_logits_log_softmax(
         table: [V, D] float rows, e.g. ``W_q = W_lm @ lm_head_query_in.weight``.
         ids: [R, w, P] int64 indices into ``table``, each in [0, V).
         scores: [R, w, P] float base logits (raw target LM-head logits).
-        backend: "triton" (the kernel; CPU tensors need TRITON_INTERPRET=1),
-            "torch" (plain PyTorch), or "auto" (triton for CUDA tensors, torch
-            otherwise).
+        backend: "auto" (Triton for CUDA tensors, PyTorch otherwise), "torch",
+            or "triton" (see :func:`triton_ops.utils.use_triton`).
         out: optional [R, w, P] float32 contiguous tensor to write into.
 
     Returns:
         [R, w, P] float32 log-probabilities; each row's exp sums to 1.
     """
-    _check_inputs(y, table, ids, scores, backend, out)
+    triton_path = use_triton(backend, ids)
+    _check_inputs(y, table, ids, scores)
     rows, width, pool = ids.shape
-    if out is None:
-        out = torch.empty((rows, width, pool), dtype=torch.float32, device=ids.device)
+    out = output_buffer(out, ids.shape, torch.float32, y.device, "[R, w, P]")
+    # Both paths write through flat [R * w, P] views of out.
+    if not out.is_contiguous():
+        raise ValueError(f"out must be contiguous, got strides {out.stride()}")
     if rows * width == 0:
         return out
-    use_triton = backend == "triton" or (backend == "auto" and ids.is_cuda)
     flat = (
         y.reshape(rows * width, y.shape[-1]),
         table,
@@ -60,16 +61,14 @@ def pool_logits_log_softmax(
         scores.reshape(rows * width, pool),
         out.view(rows * width, pool),
     )
-    if use_triton:
+    if triton_path:
         _triton_pool_log_softmax(*flat)
     else:
         _torch_pool_log_softmax(*flat)
     return out
 
 
-def _check_inputs(y, table, ids, scores, backend, out) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def _check_inputs(y, table, ids, scores) -> None:
     if y.dim() != 3:
         raise ValueError(f"y must be [R, w, D], got shape {list(y.shape)}")
     if table.dim() != 2:
@@ -96,19 +95,7 @@ def _check_inputs(y, table, ids, scores, backend, out) -> None:
     for name, t in (("y", y), ("table", table), ("scores", scores)):
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a float tensor, got {t.dtype}")
-    for name, t in (("table", table), ("ids", ids), ("scores", scores)):
-        if t.device != y.device:
-            raise ValueError(f"{name} is on {t.device} but y is on {y.device}")
-    if out is not None and (
-        out.shape != ids.shape
-        or out.dtype != torch.float32
-        or out.device != y.device
-        or not out.is_contiguous()
-    ):
-        raise ValueError(
-            f"out must be a contiguous float32 {list(ids.shape)} tensor on {y.device}, "
-            f"got {out.dtype} {list(out.shape)} on {out.device}"
-        )
+    check_same_device("y", y, table=table, ids=ids, scores=scores)
 
 
 def _torch_pool_log_softmax(y, table, ids, scores, out) -> None:

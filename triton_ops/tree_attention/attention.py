@@ -23,7 +23,6 @@ import triton
 import triton.language as tl
 
 from triton_ops.tree_attention.paged import (
-    FLOAT_DTYPES,
     cache_geometry,
     check_block_table,
     check_paged_cache,
@@ -32,8 +31,16 @@ from triton_ops.tree_attention.paged import (
     physical_index,
     read_rows,
 )
-from triton_ops.tree_conv.backend import use_triton
-from triton_ops.tree_metadata import TreeMetadata
+from triton_ops.tree_metadata import TreeMetadata, check_node_tensor
+from triton_ops.utils import (
+    FLOAT_DTYPES,
+    bit_is_set,
+    check_same_device,
+    dot_block,
+    host_readable,
+    output_buffer,
+    use_triton,
+)
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
@@ -158,7 +165,7 @@ def _tree_attention_split_kernel(
                 words_ptr + b64 * stride_wb + node[:, None] * stride_wn + (j // 64)[None, :] * stride_ww,
                 mask=row_ok[:, None] & key_ok[None, :], other=0,
             )
-            visible = ((words >> (j % 64)[None, :]) & 1) != 0
+            visible = bit_is_set(words, j[None, :])
             if SLIDING:
                 k_depth = tl.load(depths_ptr + b * stride_db + j * stride_dn, mask=key_ok, other=0)
                 visible = visible & ((q_depth[:, None] - k_depth[None, :]) < window)
@@ -236,7 +243,7 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
     rows = N * (Hq // num_kv_heads)
     if q.device.type != "cuda":
         # The interpreter: small tiles keep it fast, and three splits exercise the merge.
-        block_m = min(32, max(16, triton.next_power_of_2(rows)))
+        block_m = min(32, dot_block(rows))
         return KernelConfig(block_m, 16, 4, 1, 16, 3)
     block_m, block_n, num_warps, num_stages = CUDA_TILES
     programs_per_split = B * num_kv_heads * triton.cdiv(rows, block_m)
@@ -248,10 +255,7 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
 
 def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
                   sliding_window, logits_soft_cap) -> None:
-    if q.dim() != 4 or q.shape[:2] != (meta.batch_size, meta.max_nodes):
-        raise ValueError(
-            f"q must be [B={meta.batch_size}, N={meta.max_nodes}, Hq, D], got {list(q.shape)}"
-        )
+    check_node_tensor(meta, "q", q, ("Hq", "D"))
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be one of {FLOAT_DTYPES}, got {q.dtype}")
     B, N, Hq, D = q.shape
@@ -269,11 +273,10 @@ def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, sca
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         if cache.dtype != q.dtype:
             raise ValueError(f"{name} must have q's dtype {q.dtype}, got {cache.dtype}")
-        if cache.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {cache.device}")
-    check_block_table(block_table, prefix_lens, B, q.device)
-    if meta.ancestor_words.device != q.device:
-        raise ValueError(f"meta must be on q's device {q.device}, got {meta.ancestor_words.device}")
+    check_same_device(
+        "q", q, key_cache=key_cache, value_cache=value_cache, meta=meta.ancestor_words
+    )
+    check_block_table(block_table, prefix_lens, B, q, "q")
     if not isinstance(scale, (int, float)) or not scale > 0:
         raise ValueError(f"scale must be a positive float, got {scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
@@ -282,7 +285,7 @@ def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, sca
         not isinstance(logits_soft_cap, (int, float)) or not logits_soft_cap > 0
     ):
         raise ValueError(f"logits_soft_cap must be None or a positive float, got {logits_soft_cap!r}")
-    if q.device.type == "cpu":
+    if host_readable(prefix_lens):
         check_positions_fit(block_table, prefix_lens, meta.num_nodes, block_size)
 
 
@@ -323,7 +326,7 @@ def _tree_attention_torch(q, key_cache, value_cache, block_table, prefix_lens, m
     return out.reshape(B, N, Hq, D)
 
 
-def tree_attention(
+def paged_tree_attention(
     q: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -357,7 +360,8 @@ def tree_attention(
             ``t`` only if ``t - p < sliding_window``; node ``i`` sits at
             ``prefix_len + depth(i)``. None: unlimited.
         logits_soft_cap: logits become ``cap * tanh(logits / cap)`` after scaling.
-        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or
+            ``"triton"`` (see :func:`triton_ops.utils.use_triton`).
         out: optional [B, N, Hq, D] tensor of q's dtype to write into (any strides).
 
     Returns:
@@ -367,14 +371,8 @@ def tree_attention(
     _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
                   sliding_window, logits_soft_cap)
     B, N, Hq, D = q.shape
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
-        raise ValueError(
-            f"out must be [B, N, Hq, D] = {list(q.shape)} {q.dtype} on {q.device}, "
-            f"got {list(out.shape)} {out.dtype} on {out.device}"
-        )
-    if not use_triton(backend, q.device):
+    out = output_buffer(out, q.shape, q.dtype, q.device, "[B, N, Hq, D]")
+    if not use_triton(backend, q):
         out.copy_(_tree_attention_torch(q, key_cache, value_cache, block_table, prefix_lens,
                                         meta, scale, sliding_window, logits_soft_cap))
         return out
@@ -398,7 +396,7 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
     S = config.num_splits
     part_o = torch.empty(B, S + 1, N, Hq, D, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, S + 1, N, Hq, dtype=torch.float32, device=q.device)
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = dot_block(D)
     window = sliding_window if sliding_window is not None else 0
     words = meta.ancestor_words
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

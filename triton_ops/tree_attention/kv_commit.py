@@ -23,8 +23,8 @@ from triton_ops.tree_attention.paged import (
     read_rows,
     write_rows,
 )
-from triton_ops.tree_conv.backend import use_triton
 from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
+from triton_ops.utils import bit_is_set, check_same_device, host_readable, use_triton
 
 # Element copies move raw bits, so fp8 caches (often held as uint8) work too.
 _BITS_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
@@ -61,7 +61,7 @@ def _tree_kv_commit_kernel(
     for j in range(1, leaf + 1):
         word = tl.load(words_ptr + b * stride_wb + leaf * stride_wn + (j // 64) * stride_ww)
         depth = tl.load(depths_ptr + b * stride_db + j * stride_dn)
-        if (((word >> (j % 64)) & 1) != 0) & (depth != j):
+        if bit_is_set(word, j) & (depth != j):
             src = prefix_len + j
             dst = prefix_len + depth
             src_block = tl.load(table + (src // block_size) * stride_tk).to(tl.int64)
@@ -98,14 +98,14 @@ def tree_kv_commit(
     Args:
         key_caches, value_caches: one [num_blocks, block_size, Hkv, D] view per
             attention layer (on the PyTorch path also a tiled view, as in
-            ``tree_attention``), all of one geometry and dtype; strides and tiles
-            may differ.
+            ``paged_tree_attention``), all of one geometry and dtype; strides
+            and tiles may differ.
         block_table: [B, max_blocks] int32/int64.
         prefix_lens: [B] int32/int64, committed tokens before the tree.
         meta: tree metadata of the step.
         accepted_leaf: [B] int32/int64, last accepted node, -1 = nothing moves.
         backend: ``"auto"`` (one Triton launch for all layers on CUDA, PyTorch
-            elsewhere), ``"torch"`` or ``"triton"``.
+            elsewhere), ``"torch"`` or ``"triton"`` (see :func:`triton_ops.utils.use_triton`).
     """
     key_caches, value_caches = list(key_caches), list(value_caches)
     if not key_caches or len(key_caches) != len(value_caches):
@@ -129,16 +129,13 @@ def tree_kv_commit(
             )
     B = meta.batch_size
     device = first.device
-    check_block_table(block_table, prefix_lens, B, device)
-    if accepted_leaf.device != device:
-        raise ValueError(f"accepted_leaf must be on {device}, got {accepted_leaf.device}")
-    if device.type == "cpu":
-        check_accepted_leaf(accepted_leaf, meta)
+    check_block_table(block_table, prefix_lens, B, first, names[0])
+    check_same_device(names[0], first, accepted_leaf=accepted_leaf, meta=meta.depths)
+    check_accepted_leaf(accepted_leaf, meta)
+    if host_readable(prefix_lens):
         check_positions_fit(block_table, prefix_lens, meta.num_nodes, block_size)
-    elif accepted_leaf.shape != (B,):
-        raise ValueError(f"accepted_leaf must have shape [{B}], got {list(accepted_leaf.shape)}")
 
-    if not use_triton(backend, device):
+    if not use_triton(backend, first):
         node = torch.arange(meta.max_nodes, device=device)
         moves = meta.path_mask(accepted_leaf) & (node != meta.depths)
         b, j = moves.nonzero(as_tuple=True)

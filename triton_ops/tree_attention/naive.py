@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_ops.tree_conv.naive import root_to_node_path
-from triton_ops.tree_metadata import TreeMetadata
+from triton_ops.tree_metadata import TreeMetadata, root_to_node_path
 
 
 def _cache_row(cache: torch.Tensor, block_table: torch.Tensor, b: int, pos: int) -> torch.Tensor:
@@ -29,7 +28,7 @@ def naive_tree_attention(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
-    """Dense masked softmax attention in float64. Shapes as in ``tree_attention``.
+    """Dense masked softmax attention in float64. Shapes as in ``paged_tree_attention``.
 
     Returns [B, N, Hq, D] float64, zeros at padded nodes.
     """

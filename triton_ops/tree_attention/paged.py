@@ -1,7 +1,7 @@
 """Logical-position addressing of vLLM's paged KV caches (PyTorch paths), and
-the argument checks the ops share.
+the cache checks that attention and KV commit share.
 
-A cache is a plain or a tiled view (shapes in ``tree_attention``'s docstring);
+A cache is a plain or a tiled view (shapes in ``paged_tree_attention``'s docstring);
 the PyTorch paths read and write whole [Hkv, D] rows of either through
 ``read_rows`` and ``write_rows``; the Triton kernels take plain views only.
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
+from triton_ops.utils import FLOAT_DTYPES, INDEX_DTYPES, check_index_vector, check_same_device
+
 PLAIN_SHAPE = "[num_blocks, block_size, Hkv, D]"
 TILED_SHAPE = "[num_blocks, block_size / TL, TL, Hkv, D / DL, DL]"
 
@@ -89,20 +89,15 @@ def check_untiled(name: str, cache: torch.Tensor) -> None:
 
 
 def check_block_table(
-    block_table: torch.Tensor, prefix_lens: torch.Tensor, batch: int, device: torch.device
+    block_table: torch.Tensor, prefix_lens: torch.Tensor, batch: int, like: torch.Tensor, name: str
 ) -> None:
+    """``like`` (named ``name``) is the tensor whose device the two must share."""
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise ValueError(f"block_table must be [B={batch}, max_blocks], got {list(block_table.shape)}")
     if block_table.dtype not in INDEX_DTYPES:
         raise ValueError(f"block_table must be int32 or int64, got {block_table.dtype}")
-    if prefix_lens.shape != (batch,) or prefix_lens.dtype not in INDEX_DTYPES:
-        raise ValueError(
-            f"prefix_lens must be int32/int64 of shape [{batch}], "
-            f"got {prefix_lens.dtype} {list(prefix_lens.shape)}"
-        )
-    for name, tensor in (("block_table", block_table), ("prefix_lens", prefix_lens)):
-        if tensor.device != device:
-            raise ValueError(f"{name} must be on {device}, got {tensor.device}")
+    check_index_vector("prefix_lens", prefix_lens, batch)
+    check_same_device(name, like, block_table=block_table, prefix_lens=prefix_lens)
 
 
 def check_positions_fit(

@@ -13,13 +13,19 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_ops.tree_conv.backend import use_triton
-from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
+from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf, check_node_tensor
+from triton_ops.utils import (
+    FLOAT_DTYPES,
+    check_index_vector,
+    check_same_device,
+    host_readable,
+    output_buffer,
+    use_triton,
+)
 
 ACTIVATIONS = ("silu", None)
 # (block_n, block_c, num_warps) of the conv kernel; tools/bench_tree_ops.py sweeps them.
 CUDA_TILES = (16, 256, 4)
-FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
@@ -118,10 +124,7 @@ def _tree_conv1d_commit_kernel(
 def _check_common(
     x: torch.Tensor, conv_state: torch.Tensor, state_slots: torch.Tensor, meta: TreeMetadata
 ) -> tuple[int, int, int, int]:
-    if x.dim() != 3 or x.shape[:2] != (meta.batch_size, meta.max_nodes):
-        raise ValueError(
-            f"x must be [B={meta.batch_size}, N={meta.max_nodes}, C], got {list(x.shape)}"
-        )
+    check_node_tensor(meta, "x", x, ("C",))
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be one of {FLOAT_DTYPES}, got {x.dtype}")
     B, N, C = x.shape
@@ -134,17 +137,11 @@ def _check_common(
         )
     if conv_state.dtype not in FLOAT_DTYPES:
         raise ValueError(f"conv_state must be one of {FLOAT_DTYPES}, got {conv_state.dtype}")
-    if state_slots.shape != (B,) or state_slots.dtype not in (torch.int32, torch.int64):
-        raise ValueError(
-            f"state_slots must be int32/int64 of shape [{B}], "
-            f"got {state_slots.dtype} {list(state_slots.shape)}"
-        )
-    for name, tensor in (("conv_state", conv_state), ("state_slots", state_slots),
-                         ("meta", meta.conv_sources)):
-        if tensor.device != x.device:
-            raise ValueError(f"{name} must be on x's device {x.device}, got {tensor.device}")
-    # A range check reads the values: free on CPU, a host sync on CUDA, so CPU only.
-    if x.device.type == "cpu" and bool((state_slots >= conv_state.shape[0]).any()):
+    check_index_vector("state_slots", state_slots, B)
+    check_same_device(
+        "x", x, conv_state=conv_state, state_slots=state_slots, meta=meta.conv_sources
+    )
+    if host_readable(state_slots) and bool((state_slots >= conv_state.shape[0]).any()):
         raise ValueError(
             f"state_slots must be < num_slots = {conv_state.shape[0]} (or < 0 for padding), "
             f"got {state_slots.tolist()}"
@@ -187,7 +184,8 @@ def tree_conv1d(
             negative slot (padding) reads a zero state.
         meta: tree metadata built with ``conv_width=W``.
         activation: ``"silu"`` or None.
-        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or ``"triton"``.
+        backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or
+            ``"triton"`` (see :func:`triton_ops.utils.use_triton`).
         out: optional [B, N, C] tensor of x's dtype to write into (any strides).
 
     Returns:
@@ -201,15 +199,9 @@ def tree_conv1d(
         raise ValueError(f"bias must be [C={C}] or None, got {list(bias.shape)}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    if out is None:
-        out = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or out.device != x.device:
-        raise ValueError(
-            f"out must be [B, N, C] = {list(x.shape)} {x.dtype} on {x.device}, "
-            f"got {list(out.shape)} {out.dtype} on {out.device}"
-        )
+    out = output_buffer(out, (B, N, C), x.dtype, x.device, "[B, N, C]")
 
-    if not use_triton(backend, x.device):
+    if not use_triton(backend, x):
         taps = _inputs_with_state(x, conv_state, state_slots)
         index = (meta.conv_sources.long() + (W - 1)).view(B, N * W, 1).expand(-1, -1, C)
         taps = torch.gather(taps, 1, index).view(B, N, W, C)
@@ -262,14 +254,10 @@ def tree_conv1d_commit(
     is [B] int32/int64.
     """
     B, N, C, W = _check_common(x, conv_state, state_slots, meta)
-    if accepted_leaf.device != x.device:
-        raise ValueError(f"accepted_leaf must be on x's device {x.device}, got {accepted_leaf.device}")
-    if x.device.type == "cpu":
-        check_accepted_leaf(accepted_leaf, meta)
-    elif accepted_leaf.shape != (B,):
-        raise ValueError(f"accepted_leaf must have shape [{B}], got {list(accepted_leaf.shape)}")
+    check_same_device("x", x, accepted_leaf=accepted_leaf)
+    check_accepted_leaf(accepted_leaf, meta)
 
-    if not use_triton(backend, x.device):
+    if not use_triton(backend, x):
         rows = ((accepted_leaf >= 0) & (state_slots >= 0)).nonzero().squeeze(1)
         if rows.numel() == 0:
             return

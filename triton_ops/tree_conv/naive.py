@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from triton_ops.tree_metadata import TreeMetadata
-
-
-def root_to_node_path(parents: list[int], node: int) -> list[int]:
-    """Node indices from the root down to ``node``, following ``parents`` (-1 ends)."""
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
+from triton_ops.tree_metadata import TreeMetadata, root_to_node_path
 
 
 def _node_sequence(

@@ -29,10 +29,10 @@ from typing import NamedTuple, Protocol
 import torch
 
 from vllm_tfm.drafting.tree import DraftTree, counter_gumbel
+from vllm_tfm.options import DEFAULT_FANOUT, default_expand_width
 
 # counter_uniform stream of the sampled builder's Gumbel noise.
 BUILD_STREAM = 1
-MAX_EXPAND_WIDTH = 32
 
 
 class ExpandSession(Protocol):
@@ -53,11 +53,6 @@ class ExpandSession(Protocol):
         and depth-D rows.
         """
         ...
-
-
-def default_expand_width(budget: int) -> int:
-    """Nodes expanded per Weaver call: ceil(budget / 16), in [1, 32]."""
-    return max(1, min(-(-budget // 16), MAX_EXPAND_WIDTH))
 
 
 def build_chain(
@@ -118,7 +113,7 @@ def build_weaver_tree(
     pool_ids: torch.Tensor,
     session: ExpandSession,
     budget: int,
-    fanout: int = 8,
+    fanout: int = DEFAULT_FANOUT,
     expand_width: int | None = None,
     max_depth: int | None = None,
     validate: bool = True,
@@ -127,7 +122,7 @@ def build_weaver_tree(
 
     The root is expanded and its top ``fanout`` children enter the frontier
     with score = parent score + log q. Each step pops the top w frontier
-    entries (w = ``expand_width`` or :func:`default_expand_width`), adds them
+    entries (w = ``expand_width`` or ``options.default_expand_width``), adds them
     as nodes, expands them in ONE ``session.expand`` call and pushes
     ``fanout`` children of each; nodes at ``max_depth`` (default D) are
     never expanded. The pop schedule is fixed by ``budget`` and w, so no step

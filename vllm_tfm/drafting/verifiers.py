@@ -171,6 +171,10 @@ def verify_traversal(
     )
 
 
+# Target mass off a pool below this is rounding, not mass (pools hold at most 512 ids).
+OUTSIDE_MASS_FLOOR = 1e-12
+
+
 def traversal_plan(
     tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None
 ) -> TraversalPlan:
@@ -256,7 +260,10 @@ def traversal_plan(
     total = _row_total(probs)
     target = torch.where(support >= 0, probs.gather(-1, support.clamp(min=0)).double(), 0.0)
     target = target / total
-    outside = (1 - target.sum(-1)).clamp(min=0)
+    outside = 1 - target.sum(-1)
+    # A support holding all of p leaves float64 rounding (~1e-16 per id) here, which
+    # would give the walk a ~1e-13 chance to stop where no bonus token has mass.
+    outside = torch.where(outside > OUTSIDE_MASS_FLOOR, outside, 0.0)
 
     levels = int(tree.depths.max()) + 1  # one host read
     flat_children = torch.where(present, children, N).view(R, -1)

@@ -30,7 +30,7 @@ biases; softmax runs in fp32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -435,23 +435,62 @@ class Weaver(nn.Module):
         if validate and _may_sync(pool_ids) and ((pool_ids < 0) | (pool_ids >= vocab)).any():
             raise ValueError(f"pool_ids must lie in [0, V={vocab})")
 
+        prefix = self.causal_pass(h_v, dflash_hidden)
+        return WeaverRound(
+            self, prefix.keys, prefix.values, pool_ids, pool_scores, max_nodes, validate
+        )
+
+    def causal_pass(
+        self,
+        h_v: torch.Tensor,
+        dflash_hidden: torch.Tensor,
+        path_inputs: torch.Tensor | None = None,
+    ) -> CausalPass:
+        """The prefix pass: x = proposal_in(output_norm([h_v; H_1..H_D])) at positions
+        0..D, each entry attending to itself and the entries before it.
+
+        ``start_round`` runs it (no grad) and caches its K/V. Training runs it with
+        ``path_inputs`` [R, D', d_rank], the inputs of a path's nodes at depths
+        0..D'-1 appended at positions 1..D': a node attends to the whole prefix, its
+        ancestors and itself, so prefix + path is ONE causal sequence and the output
+        at entry D+1+j is node j's (before ``out_norm``). Differentiable.
+
+        Args:
+            h_v: [R, d_model]; dflash_hidden: [R, D, d_model] (see ``start_round``).
+        """
+        cfg = self.config
+        depth = dflash_hidden.shape[1]
         states = torch.cat([h_v[:, None], dflash_hidden], dim=1)  # [R, D+1, d_model]
         x = self.proposal_in(self.output_norm(states).to(self.dtype))
-        positions = torch.arange(depth + 1, device=self.device)
+        positions = torch.arange(depth + 1, device=x.device)
+        if path_inputs is not None:
+            x = torch.cat([x, path_inputs], dim=1)
+            path = torch.arange(1, path_inputs.shape[1] + 1, device=x.device)
+            positions = torch.cat([positions, path])
         x = self._add_positions(x, positions)
-        causal = torch.ones(depth + 1, depth + 1, dtype=torch.bool, device=self.device).tril()
+        width = positions.shape[0]
+        causal = torch.ones(width, width, dtype=torch.bool, device=x.device).tril()
         keys, values = [], []
         for block in self.blocks:
-            q, k, v = block.qkv(x, positions)  # [R, D+1, H, hd]
+            q, k, v = block.qkv(x, positions)  # [R, T, H, hd]
             scores = torch.einsum("rthd,rshd->rhts", q.float(), k.float()) * cfg.head_dim**-0.5
             probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
             x = block.finish(x, torch.einsum("rhts,rshd->rthd", probs, v.float()))
             keys.append(k)
             values.append(v)
-        return WeaverRound(
-            self, torch.stack(keys), torch.stack(values), pool_ids, pool_scores, max_nodes,
-            validate,
-        )
+        return CausalPass(x, torch.stack(keys), torch.stack(values))
+
+
+class CausalPass(NamedTuple):
+    """Output of ``Weaver.causal_pass`` over T entries.
+
+    hidden: [R, T, d_rank] after the blocks, before ``out_norm``.
+    keys, values: [L, R, T, H, hd] per layer.
+    """
+
+    hidden: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
 
 
 def _may_sync(t: torch.Tensor) -> bool:

@@ -97,7 +97,7 @@ def _sliding_window(setting) -> int | None:
 
 def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> None:
     """Overwrite ``output`` rows of the step's tree nodes with tree attention."""
-    from triton_ops.tree_attention import tree_attention
+    from triton_ops.tree_attention import paged_tree_attention
 
     requests = step.tree_requests()
     rows = step.token_rows.index_select(0, requests)
@@ -107,7 +107,7 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
     q[valid] = query[rows[valid]]
     key_cache, value_cache = kv_views
     window = _sliding_window(impl.sliding_window)
-    out = tree_attention(
+    out = paged_tree_attention(
         q,
         key_cache,
         value_cache,

@@ -4,7 +4,8 @@ It is vLLM's own DFlash proposer (same drafter, same KV, same context
 handling) with two changes: the context rows are reordered so each request's
 accepted path comes first (the tree put it anywhere), and instead of taking
 the argmax of each marginal it keeps the top-``candidate_pool`` ids and
-logits of each of the D draft positions and grows a tree from them.
+logits of each of the D draft positions and grows a tree from them, both
+through the drafting core's draft round (``vllm_tfm/drafting/draft_round.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,12 @@ import numpy as np
 import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
-from vllm_tfm.drafting.builders import build_chain, build_ddtree, build_weaver_tree
+from vllm_tfm.drafting.draft_round import (
+    CandidatePools,
+    candidate_pools,
+    draft_depth,
+    draft_trees,
+)
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import TfmOptions
 
@@ -37,12 +43,13 @@ class TreeProposer(DFlashProposer):
         # A tree of ``budget`` nodes is at most ``budget`` deep, and vLLM sized
         # the drafter's buffers and KV lookahead for num_speculative_tokens =
         # budget: the DFlash block must not be longer.
-        self.draft_depth = min(options.draft_depth, options.budget)
+        self.draft_depth = draft_depth(options.budget, options.draft_depth)
         self.trees: DraftTree | None = None
         self._tree_row: dict[str, int] = {}
         self._parents_cpu: np.ndarray | None = None
         self._target_hidden: torch.Tensor | None = None
-        self._pools: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._pools: CandidatePools | None = None
+        self._dflash_hidden: torch.Tensor | None = None
         self._drafted = False
 
     def load_model(self, target_model) -> None:
@@ -61,7 +68,7 @@ class TreeProposer(DFlashProposer):
         )
         weaver.prepare_tables(embed, head)
         self.weaver = weaver
-        self.draft_depth = min(self.draft_depth, weaver.config.K)
+        self.draft_depth = draft_depth(self.options.budget, self.options.draft_depth, weaver)
 
     # -- called by the runner hooks -------------------------------------------
 
@@ -96,16 +103,13 @@ class TreeProposer(DFlashProposer):
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
         # The D draft positions' marginals become candidate pools instead of
         # samples: raw target-LM-head logits, top-K per position.
-        logits = self.model.compute_logits(hidden_states).float()
-        pool = min(self.options.candidate_pool, logits.shape[-1])
-        scores, ids = torch.topk(logits, pool, dim=-1)
         depth = self.num_speculative_tokens
-        self._pools = (
-            ids.view(-1, depth, pool),
-            scores.view(-1, depth, pool),
-            hidden_states.view(-1, depth, hidden_states.shape[-1]),
+        logits = self.model.compute_logits(hidden_states)
+        self._pools = candidate_pools(
+            logits.reshape(-1, depth, logits.shape[-1]), self.options.candidate_pool
         )
-        return ids[:, 0], None
+        self._dflash_hidden = hidden_states.view(-1, depth, hidden_states.shape[-1])
+        return self._pools.ids[..., 0].reshape(-1), None
 
     def propose(self, num_speculative_tokens, target_token_ids, target_positions,
                 target_hidden_states, next_token_ids, token_indices_to_sample,
@@ -135,27 +139,12 @@ class TreeProposer(DFlashProposer):
         return self._draft_token_ids(trees)
 
     def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:
-        ids, scores, dflash_hidden = self._pools
-        budget = self.options.budget
+        """The tree-build stage (tools/bench_e2e.py --breakdown times this method)."""
         # Pools come from top-k and nodes from the builders: no host-side checks.
-        if self.options.tree == "chain":
-            return build_chain(root_tokens, ids, scores, budget, validate=False)
-        if self.options.tree == "ddtree":
-            return build_ddtree(root_tokens, ids, scores, budget, validate=False)
-        weaver_dtype = self.weaver.dtype
-        session = self.weaver.start_round(
-            self._target_hidden.to(weaver_dtype),
-            dflash_hidden.to(weaver_dtype),
-            ids,
-            scores,
-            max_nodes=budget + 1,
-            validate=False,
-        )
-        return build_weaver_tree(
-            root_tokens, ids, session, budget,
-            fanout=self.options.fanout,
-            expand_width=self.options.resolved_expand_width,
-            max_depth=self.draft_depth,
+        return draft_trees(
+            self.options.tree, root_tokens, self._pools, self.options.budget,
+            weaver=self.weaver, h_v=self._target_hidden, dflash_hidden=self._dflash_hidden,
+            fanout=self.options.fanout, expand_width=self.options.resolved_expand_width,
             validate=False,
         )
 
