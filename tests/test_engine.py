@@ -20,21 +20,19 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_family import (  # noqa: E402
-    CPU_ENGINE_KWARGS,
+from vllm_tfm.tiny.engine_runs import (  # noqa: E402
     PROMPTS,
     TIE_MARGIN,
-    build_family,
     compare_greedy,
+    cpu_engine,
     engine_greedy,
     greedy_regrets,
+    mean_accepted_length,
     top2_margins,
-    trained_family,
 )
+from vllm_tfm.tiny.family import build_family, trained_family  # noqa: E402
 
 pytestmark = pytest.mark.engine
-
-ENGINE_KWARGS = CPU_ENGINE_KWARGS
 
 
 @pytest.fixture(scope="module")
@@ -51,10 +49,7 @@ def tfm_config(family, tree="weaver", budget=64, **extra):
 
 
 def make_llm(family, speculative_config, **overrides):
-    from vllm import LLM
-
-    kwargs = {**ENGINE_KWARGS, "max_num_seqs": 8, **overrides}
-    return LLM(model=str(family.target), speculative_config=speculative_config, **kwargs)
+    return cpu_engine(family.target, speculative_config, **{"max_num_seqs": 8, **overrides})
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +103,31 @@ def test_greedy_equals_no_speculation(family, baseline, tree, budget):
     assert result["num_drafts"] > 0
 
 
+@pytest.mark.parametrize("isa", ["amx", "vec"])
+def test_greedy_is_lossless_under_each_x86_attention_isa(family, baseline, isa, monkeypatch):
+    """CPU_ATTN's paged KV layout depends on the ISA vLLM picks: `amx` (bf16 with blocks of
+    32k tokens, on CPUs with AMX) or `vec` (otherwise). An AMX machine runs both, `vec` by
+    hiding AMX from vLLM; a machine without AMX cannot run vLLM's amx kernels at all."""
+    from vllm_tfm.vllm_glue import attention
+
+    if isa == "amx" and not torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has no AMX: vLLM's amx attention cannot run here")
+    if isa == "vec":
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    read = attention.cpu_key_value_views
+    seen = set()
+
+    def spy(kv_cache, layer_isa):
+        seen.add(layer_isa)
+        return read(kv_cache, layer_isa)
+
+    monkeypatch.setattr(attention, "cpu_key_value_views", spy)
+    result = engine_greedy(family.target, tfm_config(family, "weaver", 33), PROMPTS,
+                           max_tokens=32)
+    assert seen == {isa}
+    assert_lossless(baseline, result, family.target)
+
+
 @pytest.fixture(scope="module")
 def trained():
     return trained_family()
@@ -123,8 +143,8 @@ def test_trained_family_accepts_long_paths_losslessly(trained, tree, minimum_tau
     result = engine_greedy(trained.target, tfm_config(trained, tree, 64), PROMPTS,
                            max_tokens=32)
     assert_lossless(baseline, result, trained.target)
-    tau = 1 + result["num_accepted"] / result["num_drafts"]
-    assert tau >= minimum_tau, f"mean accepted length {tau:.2f}"
+    tau = mean_accepted_length(result["num_drafts"], result["num_accepted"])
+    assert tau is not None and tau >= minimum_tau, f"mean accepted length {tau:.2f}"
 
 
 def _processed_greedy(trained, speculative_config, params) -> dict:
@@ -334,7 +354,7 @@ def test_invalid_options_fail_before_the_engine_starts(family, overrides, messag
 def test_candidate_pool_defaults_to_the_weaver_checkpoint(family, baseline, tmp_path):
     """The minimal config with a Weaver trained on a pool of 32 (not 512) starts,
     drafts from pools of 32 and stays lossless; an explicit larger pool is refused."""
-    from tiny_family import WEAVER_CONFIG
+    from vllm_tfm.tiny.family import WEAVER_CONFIG
 
     from vllm_tfm.drafting.weaver import WeaverConfig
     from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public

@@ -1,6 +1,9 @@
-"""Packaging: the Docker image, the entry point and the pinned vLLM agree."""
+"""Packaging: the Docker image, the entry point and the pinned vLLM agree; the package's
+libraries import light."""
 
 import re
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -27,3 +30,25 @@ def test_dockerfile_base_matches_the_pinned_vllm():
 def test_entry_point_is_registered():
     plugins = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
     assert plugins.get("dflash_tfm") == "vllm_tfm.vllm_glue:register"
+
+
+# Run in a fresh interpreter: prints the heavy modules each import step loaded.
+_IMPORTS = """
+import importlib, pkgutil, sys
+import vllm_tfm, vllm_tfm.drafting
+for module in pkgutil.iter_modules(vllm_tfm.drafting.__path__, "vllm_tfm.drafting."):
+    importlib.import_module(module.name)
+print(sorted(m for m in sys.modules if m.startswith("vllm_tfm.training")))
+for package in ("vllm_tfm.tiny", "vllm_tfm.training"):
+    for module in pkgutil.iter_modules(importlib.import_module(package).__path__, package + "."):
+        importlib.import_module(module.name)
+print(sorted(m for m in ("vllm", "transformers", "matplotlib") if m in sys.modules))
+"""
+
+
+def test_libraries_import_no_vllm_transformers_or_matplotlib():
+    """The drafting core never reaches the training library; the tiny-family and training
+    libraries load vLLM, transformers and matplotlib only inside the functions using them."""
+    out = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert out == ["[]", "[]"]

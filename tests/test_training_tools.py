@@ -1,33 +1,32 @@
-"""The training and evaluation tools (tools/train_*.py, tools/eval_acceptance.py,
-tools/training/): the LK loss against a float64 hand computation, Weaver teacher forcing
+"""Training and evaluation (vllm_tfm/training/, the library of tools/train_*.py and
+tools/eval_acceptance.py): the LK loss against a float64 hand computation, Weaver teacher forcing
 against the inference path, DFlash block masking, exact target scoring, overfitting a
 tiny batch, each tool end to end on the tiny family (loadable outputs, resume), and
 eval's tau against a hand count."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-
-# training hides fla before anything imports transformers.
-from training import acceptance, data, dflash, target, weaver_lk  # noqa: E402
-import tiny_family  # noqa: E402
-import eval_acceptance  # noqa: E402
-import train_dflash  # noqa: E402
-import train_family  # noqa: E402
-import train_target  # noqa: E402
-import train_weaver  # noqa: E402
-
-from vllm_tfm.drafting.builders import build_chain  # noqa: E402
-from vllm_tfm.drafting.weaver import WeaverConfig  # noqa: E402
-from vllm_tfm.drafting.weaver_checkpoint import load_weaver, random_weaver  # noqa: E402
+from vllm_tfm.drafting.builders import build_chain
+from vllm_tfm.drafting.weaver import WeaverConfig
+from vllm_tfm.drafting.weaver_checkpoint import load_weaver, random_weaver
+from vllm_tfm.tiny import family as tiny_family
+from vllm_tfm.training import (
+    acceptance,
+    data,
+    dflash,
+    eval_acceptance,
+    target,
+    train_dflash,
+    train_family,
+    train_target,
+    train_weaver,
+    weaver_lk,
+)
 
 torch.set_num_threads(1)
 

@@ -8,31 +8,23 @@ per verify step, bonus included, from vLLM's spec-decode counters).
     python tools/bench_e2e.py --family random --budgets 16 64 --max-tokens 128
 
 Prompts are --num-prompts windows of --prompt-len tokens from the held-out standard-library
-modules (tools/training/data.py), given to vLLM as token ids. --breakdown also prints where
+modules (vllm_tfm/training/data.py), given to vLLM as token ids. --breakdown also prints where
 each engine step's time goes (target forward, DFlash pass, tree build, the rest).
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import time
 from pathlib import Path
 
+from vllm_tfm.tiny.engine_runs import timed_run
+from vllm_tfm.tiny.family import build_family, trained_family
+
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-from tiny_family import (  # noqa: E402
-    CPU_ENGINE_KWARGS,
-    build_family,
-    top2_margins,
-    trained_family,
-)
-
-ENGINE_KWARGS = {**CPU_ENGINE_KWARGS, "kv_cache_memory_bytes": 256 << 20,
-                 "max_model_len": 1024, "disable_log_stats": False}
 
 
 def configurations(drafter: Path, weaver: Path, budgets: list[int],
@@ -107,52 +99,12 @@ class StepBreakdown:
             setattr(cls, name, original)
 
 
-def run_config(target: Path, speculative_config: dict | None, prompts: list,
-               max_tokens: int, temperature: float = 0.0, max_num_seqs: int = 8,
-               margins: bool = False, breakdown: StepBreakdown | None = None) -> dict:
-    """Generate ``max_tokens`` per prompt; returns tokens, tokens/s and tau, with
-    ``margins`` each position's top-2 logprob margin (``margins`` key), and with a
-    ``breakdown`` the measured generation's ms per step by stage (``steps_ms`` key)."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(target), speculative_config=speculative_config,
-              max_num_seqs=max_num_seqs, **ENGINE_KWARGS)
-    params = SamplingParams(temperature=temperature, seed=0 if temperature else None,
-                            max_tokens=max_tokens, ignore_eos=True,
-                            logprobs=2 if margins else None)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    if breakdown:
-        breakdown.reset()
-    before = _spec_counters(llm)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    after = _spec_counters(llm)
-    del llm
-    gc.collect()
-    tokens = [list(output.outputs[0].token_ids) for output in outputs]
-    drafts = after[0] - before[0]
-    accepted = after[1] - before[1]
-    result = {
-        "tokens": tokens,
-        "tokens_per_s": sum(map(len, tokens)) / seconds,
-        "tau": 1 + accepted / drafts if drafts else 1.0,
-    }
-    if margins:
-        result["margins"] = [top2_margins(output.outputs[0].logprobs) for output in outputs]
-    if breakdown:
-        result["steps_ms"] = breakdown.per_step_ms()
-    return result
-
-
-def _spec_counters(llm) -> tuple[int, int]:
-    values = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
-    return (int(values.get("vllm:spec_decode_num_drafts", 0)),
-            int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
+def _tau(tau: float | None) -> str:
+    return "-" if tau is None else f"{tau:.2f}"
 
 
 def main(argv: list[str] | None = None) -> None:
-    from training.data import heldout_prompts, load_tokenizer
+    from vllm_tfm.training.data import heldout_prompts, load_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="trained",
@@ -184,17 +136,17 @@ def main(argv: list[str] | None = None) -> None:
     weaver = args.weaver or family.weaver
     breakdown = StepBreakdown() if args.breakdown else None
     for label, config in configurations(drafter, weaver, args.budgets, args.trees):
-        result = run_config(family.target, config, prompts, args.max_tokens, args.temperature,
-                            breakdown=breakdown)
+        result = timed_run(family.target, config, prompts, args.max_tokens, args.temperature,
+                           breakdown=breakdown)
         rows.append({"config": label, "tokens_per_s": result["tokens_per_s"],
                      "tau": result["tau"], "steps_ms": result.get("steps_ms")})
-        print(f"{label:32s} {result['tokens_per_s']:9.1f} tok/s   tau {result['tau']:.2f}",
+        print(f"{label:32s} {result['tokens_per_s']:9.1f} tok/s   tau {_tau(result['tau'])}",
               flush=True)
     base = rows[0]["tokens_per_s"]
     print("\n| configuration | tokens/s | speed-up | tau |\n|---|---|---|---|")
     for row in rows:
         print(f"| {row['config']} | {row['tokens_per_s']:.1f} | "
-              f"{row['tokens_per_s'] / base:.2f}x | {row['tau']:.2f} |")
+              f"{row['tokens_per_s'] / base:.2f}x | {_tau(row['tau'])} |")
     if breakdown:
         breakdown.close()
         stages = list(rows[0]["steps_ms"])

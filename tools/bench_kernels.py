@@ -7,6 +7,9 @@ lines; ``main`` runs the selected ones and prints (and optionally saves) every t
 ``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing,
 to check the script itself without a GPU.
 
+It imports `triton_ops` from the installed package; where the package is not installed
+(a bare GPU machine), put the repository root on the path: `PYTHONPATH=$PWD python ...`.
+
 Timings: ``do_bench`` is Triton's eager timer (it flushes L2 between calls but also
 counts host launch gaps when a kernel is shorter than its launch); ``graph`` replays a
 CUDA graph that runs the op once per "layer" over enough distinct layers' inputs to
@@ -23,19 +26,17 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from triton_ops.gdn_tree import (  # noqa: E402
+from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
     gdn_tree_commit,
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
-from triton_ops.gdn_tree.chunk_triton import verify_triton  # noqa: E402
-from triton_ops.testing import random_tree_metadata, rel_err  # noqa: E402
-from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
+from triton_ops.gdn_tree.chunk_triton import verify_triton
+from triton_ops.testing import random_tree_metadata, rel_err
+from triton_ops.tree_metadata import build_tree_metadata
 
 L2_BYTES = 60 << 20
 

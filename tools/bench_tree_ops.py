@@ -9,34 +9,33 @@ against the vectorised PyTorch paths (model shapes), in bf16/fp16/fp32 and in
 engine-like cache layouts. Timings: medians of ``triton.testing.do_bench`` (L2
 flushed before each run), plus CUDA-graph replay for the launch-bound ops. Floors:
 bytes moved / measured copy bandwidth, and FLOPs / measured bf16 matmul rate.
+
+It imports `triton_ops` from the installed package; where the package is not installed
+(a bare GPU machine), put the repository root on the path: `PYTHONPATH=$PWD python ...`.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 import triton
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import triton_ops.tree_attention.attention as attention_module  # noqa: E402
-import triton_ops.tree_conv.conv as conv_module  # noqa: E402
-from triton_ops.testing import random_tree_metadata, rel_err, same_bits  # noqa: E402
-from triton_ops.tree_attention import (  # noqa: E402
+import triton_ops.tree_attention.attention as attention_module
+import triton_ops.tree_conv.conv as conv_module
+from triton_ops.testing import random_tree_metadata, rel_err, same_bits
+from triton_ops.tree_attention import (
     naive_tree_attention,
     naive_tree_kv_commit,
     paged_tree_attention,
     tree_kv_commit,
 )
-from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention  # noqa: E402
-from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit  # noqa: E402
-from triton_ops.tree_conv.conv import launch_tree_conv1d  # noqa: E402
-from triton_ops.tree_metadata import build_tree_metadata  # noqa: E402
+from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention
+from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit
+from triton_ops.tree_conv.conv import launch_tree_conv1d
+from triton_ops.tree_metadata import build_tree_metadata
 
 DEV = "cuda"
 FAILURES: list[str] = []

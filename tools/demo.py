@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 
-from bench_e2e import run_config
-from tiny_family import PROMPTS, compare_greedy, trained_family
+from vllm_tfm.tiny.engine_runs import PROMPTS, compare_greedy, timed_run
+from vllm_tfm.tiny.family import trained_family
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,9 +36,9 @@ def main(argv: list[str] | None = None) -> None:
     prompts = list(PROMPTS[:4])
 
     print("== no speculation ==", flush=True)
-    plain = run_config(family.target, None, prompts, args.max_tokens, margins=True)
+    plain = timed_run(family.target, None, prompts, args.max_tokens, margins=True)
     print(f"== dflash_tfm: {spec} ==", flush=True)
-    tree = run_config(family.target, spec, prompts, args.max_tokens, margins=True)
+    tree = timed_run(family.target, spec, prompts, args.max_tokens, margins=True)
 
     rows = compare_greedy(plain, tree)
     for prompt, plain_tokens, tree_tokens, row in zip(prompts, plain["tokens"], tree["tokens"],

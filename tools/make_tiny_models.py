@@ -11,7 +11,7 @@
 engine per subprocess) and prints, per prompt, how many greedy tokens agree. `generate`
 (vLLM) and `hf-generate` (transformers, fp32) are the one-process steps that `check` and
 tests/test_tiny_models.py start; `batch` runs batches of requests with any sampling options,
-one engine per run (`tiny_family.engine_batches`), for tests/test_plugin_inert.py.
+one engine per run (`vllm_tfm.tiny.engine_runs.engine_batches`), for tests/test_plugin_inert.py.
 """
 
 from __future__ import annotations
@@ -21,17 +21,16 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import tiny_family  # noqa: E402
+from vllm_tfm.tiny import engine_runs
+from vllm_tfm.tiny.family import DEFAULT_OUT_DIR, TinyFamily, build_family
 
 
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _build(args: argparse.Namespace) -> tiny_family.TinyFamily:
-    family = tiny_family.build_family(args.out, force=args.force)
+def _build(args: argparse.Namespace) -> TinyFamily:
+    family = build_family(args.out, force=args.force)
     print(f"family   {family.root}  (build {family.build_hash[:12]})")
     for name in ("target", "dflash"):
         path = getattr(family, name)
@@ -43,14 +42,14 @@ def _build(args: argparse.Namespace) -> tiny_family.TinyFamily:
 def _check(args: argparse.Namespace) -> int:
     family = _build(args)
     tokens = args.max_tokens
-    base = tiny_family.greedy_in_subprocess(family.target, max_tokens=tokens)
-    dflash = tiny_family.dflash_speculative_config(family.dflash)
-    spec = tiny_family.greedy_in_subprocess(family.target, dflash, max_tokens=tokens)
+    base = engine_runs.greedy_in_subprocess(family.target, max_tokens=tokens)
+    dflash = engine_runs.dflash_speculative_config(family.dflash)
+    spec = engine_runs.greedy_in_subprocess(family.target, dflash, max_tokens=tokens)
     print(f"engine start: target {base['start_s']:.1f} s, target+dflash {spec['start_s']:.1f} s")
     print(f"chat reply: {base['chat_text']!r}")
     print(f"dflash drafts {spec['num_drafts']}, accepted tokens {spec['num_accepted']}")
     print("prompt  matched/length  first-difference margin")
-    rows = tiny_family.compare_greedy(base, spec)
+    rows = engine_runs.compare_greedy(base, spec)
     for i, row in enumerate(rows):
         margin = "-"
         if "margin" in row:
@@ -71,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in ("build", "check"):
         p = sub.add_parser(name)
-        p.add_argument("--out", type=Path, default=tiny_family.DEFAULT_OUT_DIR)
+        p.add_argument("--out", type=Path, default=DEFAULT_OUT_DIR)
         p.add_argument("--force", action="store_true", help="rebuild even if a build matches")
         if name == "check":
             p.add_argument("--max-tokens", type=int, default=32)
@@ -82,12 +81,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "generate":
             p.add_argument("--speculative-config", type=json.loads, help="JSON object")
         p.add_argument("--max-tokens", type=int, default=32)
-        p.add_argument("--prompts", type=json.loads, default=list(tiny_family.PROMPTS),
+        p.add_argument("--prompts", type=json.loads, default=list(engine_runs.PROMPTS),
                        help="JSON list of strings")
         p.add_argument("--json-out", type=Path, required=True)
     p = sub.add_parser("batch", help="batches of requests in vLLM, one engine per run")
     p.add_argument("--runs", type=json.loads, required=True,
-                   help="JSON list of runs (see tiny_family.engine_batches)")
+                   help="JSON list of runs (see engine_runs.engine_batches)")
     p.add_argument("--json-out", type=Path, required=True)
     args = parser.parse_args(argv)
 
@@ -97,14 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check":
         return _check(args)
     if args.command == "batch":
-        return _write(args.json_out, tiny_family.engine_batches(args.runs))
+        return _write(args.json_out, engine_runs.engine_batches(args.runs))
     prompts = tuple(args.prompts)
     if args.command == "generate":
-        result = tiny_family.engine_greedy(
+        result = engine_runs.engine_greedy(
             args.target, args.speculative_config, prompts, args.max_tokens
         )
     else:
-        result = tiny_family.transformers_greedy(args.target, prompts, args.max_tokens)
+        result = engine_runs.transformers_greedy(args.target, prompts, args.max_tokens)
     return _write(args.json_out, result)
 
 

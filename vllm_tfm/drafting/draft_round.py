@@ -1,7 +1,7 @@
 """One draft round: DFlash marginals -> top-K candidate pools -> a draft tree per request.
 
 The engine's proposer (``vllm_tfm/vllm_glue/proposer.py``) and the training and
-evaluation tools (``tools/training/acceptance.py``, ``tools/bench_drafting.py``)
+evaluation tools (``vllm_tfm/training/acceptance.py``, ``tools/bench_drafting.py``)
 draft through these functions, so for the same DFlash states they grow the same
 trees. What differs between them stays with them: how the drafter runs and how
 its states reach the target's LM head (vLLM's ``compute_logits`` or a plain

@@ -40,9 +40,9 @@ from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only
 from vllm_tfm.drafting.weaver import Weaver
 from vllm_tfm.options import TREE_KINDS, default_candidate_pool
 
-from training.dflash import DFlashDrafter
-from training.target import Target
-from training.weaver_lk import lm_head_pools
+from vllm_tfm.training.dflash import DFlashDrafter
+from vllm_tfm.training.target import Target
+from vllm_tfm.training.weaver_lk import lm_head_pools
 
 
 @dataclass

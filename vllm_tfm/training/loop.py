@@ -40,7 +40,7 @@ def fill_family_defaults(args: argparse.Namespace, *, trained: bool = False,
     """
     if all(getattr(args, name) is not None for name in fields):
         return
-    import tiny_family
+    from vllm_tfm.tiny import family as tiny_family
 
     family = tiny_family.trained_family() if trained else tiny_family.build_family()
     for name, member in fields.items():

@@ -1,0 +1,239 @@
+"""The end-to-end check on a CUDA GPU (tools/gpu_e2e.py `run`): one engine per
+configuration in this process (no speculation, vLLM's `dflash`, `dflash_tfm` trees and
+budgets), greedy and sampled, each greedy output compared with no speculation up to bf16
+ties, kernel launches and CUDA-graph dispatch counted (`launch_counts`), one report table
+written after every configuration.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import time
+import traceback
+from pathlib import Path
+
+from vllm_tfm.tiny.engine_runs import PROMPTS, compare_greedy, timed_generate
+from vllm_tfm.tiny.launch_counts import (
+    LAUNCHES,
+    count_graph_dispatch,
+    count_mixed_gdn_calls,
+    count_project_kernel_launches,
+    graph_summary,
+    missing_kernels,
+)
+
+HARNESS_LIMITS = (
+    "Harness limits: vLLM 0.32's Python code on torch 2.11 without its compiled ops "
+    "(shared/gpu-vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
+    "norms/RoPE/SiLU in pure torch, model runner V1, tiny random models (hidden 256, 8 layers, "
+    "random drafter and Weaver: acceptance is low). Timings are functional, not performance."
+)
+
+ENGINE_KWARGS = dict(
+    enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=1024, max_num_seqs=8,
+    enable_prefix_caching=False, gpu_memory_utilization=0.1, kv_cache_memory_bytes=1 << 30,
+    compilation_config={"custom_ops": ["none"]}, attention_config={"backend": "TRITON_ATTN"},
+    additional_config={"gdn_prefill_backend": "triton"}, disable_log_stats=False,
+)
+
+
+# Compilation settings by --cudagraphs. "default" is vLLM's own (torch.compile, FULL and
+# PIECEWISE graphs), minus the harness's need for pure-torch custom ops; "full-decode" is
+# the cheapest graphed setting the harness runs (no torch.compile, full decode graphs).
+CUDA_GRAPH_SETTINGS = {
+    "off": {},
+    "full-decode": dict(enforce_eager=False, compilation_config={
+        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]}),
+    "default": dict(enforce_eager=False, compilation_config={"custom_ops": ["none"]}),
+}
+
+
+def configurations(models: Path) -> list[tuple[str, str | None, dict | None]]:
+    """(label, tree kind or None, speculative_config) in priority order."""
+    dflash = {"model": str(models / "dflash"), "attention_backend": "TRITON_ATTN"}
+
+    def tfm(tree: str, budget: int) -> tuple[str, str, dict]:
+        config = {**dflash, "method": "dflash_tfm", "tree": tree, "num_speculative_tokens": budget}
+        if tree == "weaver":
+            config["weaver"] = str(models / "weaver.pth")
+        return f"dflash_tfm {tree} B={budget}", tree, config
+
+    return [
+        ("no speculation", None, None),
+        tfm("chain", 7),
+        tfm("ddtree", 33),
+        tfm("weaver", 64),
+        ("vLLM dflash (chain, 15)", None,
+         {**dflash, "method": "dflash", "num_speculative_tokens": 15}),
+        tfm("weaver", 7),
+        tfm("weaver", 33),
+        tfm("ddtree", 7),
+        tfm("ddtree", 64),
+        tfm("chain", 33),
+        tfm("chain", 64),
+    ]
+
+
+def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
+               max_tokens: list[int], with_margins: bool, max_num_seqs: int,
+               cudagraphs: str = "off") -> dict:
+    """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
+    runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
+    import torch
+    from vllm import LLM, SamplingParams
+
+    started = time.perf_counter()
+    llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
+              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
+                 **CUDA_GRAPH_SETTINGS[cudagraphs]})
+    result: dict = {"start_s": time.perf_counter() - started}
+    try:
+        warm = time.perf_counter()
+        llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+        result["warmup_s"] = time.perf_counter() - warm
+        greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                  for n in max_tokens]
+        result["greedy"] = timed_generate(llm, prompts, greedy)
+        if with_margins:
+            logprobs = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                       logprobs=2) for n in max_tokens]
+            result["greedy_logprobs"] = timed_generate(llm, prompts, logprobs)
+        sampled = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=n,
+                                  ignore_eos=True) for i, n in enumerate(max_tokens)]
+        result["sampled"] = timed_generate(llm, prompts, sampled)
+    finally:
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    return result
+
+
+def _fmt(value, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def write_report(rows: list[dict], out: Path, header: str) -> str:
+    lines = [
+        header, "",
+        "| configuration | greedy tok/s | greedy tau | sampled tok/s | sampled tau "
+        "| greedy vs no-spec | tree kernels | target forwards by graph mode |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['config']} | FAILED: {row['error'][:120]} | | | | | | |")
+            continue
+        if "skipped" in row:
+            lines.append(f"| {row['config']} | skipped ({row['skipped']}) | | | | | | |")
+            continue
+        g, s = row["greedy"], row["sampled"]
+        lines.append(
+            f"| {row['config']} | {g['tokens_per_s']:.1f} | {_fmt(g['tau'], '.2f')} "
+            f"| {s['tokens_per_s']:.1f} | {_fmt(s['tau'], '.2f')} | {row.get('equality', '-')} "
+            f"| {row.get('kernels', '-')} | {graph_summary(row.get('launches', {}))} |"
+        )
+    lines += ["", HARNESS_LIMITS]
+    text = "\n".join(lines) + "\n"
+    (out / "gpu_e2e.md").write_text(text)
+    (out / "gpu_e2e.json").write_text(json.dumps(rows, indent=1))
+    return text
+
+
+def _equality(base: dict, spec: dict) -> tuple[str, bool]:
+    """'matched/total' greedy tokens and whether every difference is a bf16 tie."""
+    rows = compare_greedy(
+        {"tokens": base["tokens"], "margins": base["margins"]}, {"tokens": spec["tokens"]}
+    )
+    matched = sum(r["matched"] for r in rows)
+    total = sum(r["length"] for r in rows)
+    diffs = [r for r in rows if r["matched"] < r["length"]]
+    ok = all(r["tie"] for r in diffs)
+    text = f"{len(rows) - len(diffs)}/{len(rows)} prompts equal"
+    if diffs:
+        margins = ", ".join(_fmt(r["margin"], ".2f") for r in diffs)
+        text += f"; first-diff margins {margins} ({'ties' if ok else 'NOT ties'})"
+    return f"{text} [{matched}/{total} tok]", ok
+
+
+def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
+            config_words: list[str] | None, cudagraphs: str = "off") -> int:
+    import torch
+    import triton
+
+    import vllm
+    from vllm_tfm.vllm_glue import register
+
+    register()  # the plugin's entry point is not installed in the harness: register here
+    count_project_kernel_launches()
+    count_mixed_gdn_calls()
+    count_graph_dispatch()
+    prompts = list(PROMPTS)
+    if staggered:
+        # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests
+        # finish at different steps and the next prompt joins a batch of trees.
+        max_num_seqs = 4
+        lengths = [max(8, max_tokens - 5 * i) for i in range(len(prompts))]
+        batching = (f"{len(prompts)} prompts, at most {max_num_seqs} running, "
+                    f"{min(lengths)}..{max(lengths)} new tokens each")
+    else:
+        max_num_seqs = len(prompts)
+        lengths = [max_tokens] * len(prompts)
+        batching = f"{len(prompts)} prompts in one batch, {max_tokens} new tokens each"
+    header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: vLLM {vllm.__version__}, "
+              f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
+              f"tau = mean accepted length incl. bonus (vLLM spec-decode counters); "
+              f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}")
+    print(header, flush=True)
+    started = time.perf_counter()
+    rows: list[dict] = []
+    base = None
+    failed = False
+    for label, tree, config in configurations(models):
+        if config_words and config is not None and not any(w in label for w in config_words):
+            continue
+        elapsed = time.perf_counter() - started
+        if elapsed > deadline_s:
+            rows.append({"config": label, "skipped": f"deadline, {elapsed:.0f} s elapsed"})
+            write_report(rows, out, header)
+            continue
+        print(f"=== {label} (t={elapsed:.0f} s)", flush=True)
+        before = collections.Counter(LAUNCHES)
+        try:
+            result = run_config(models, config, prompts, lengths, with_margins=config is None,
+                                max_num_seqs=max_num_seqs, cudagraphs=cudagraphs)
+        except Exception as error:  # one configuration's failure must not hide the others'
+            traceback.print_exc()
+            rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})
+            failed = True
+            write_report(rows, out, header)
+            continue
+        launches = {k: v - before.get(k, 0) for k, v in LAUNCHES.items() if v - before.get(k, 0)}
+        row = {"config": label, **result, "launches": launches}
+        if config is None:
+            base = result["greedy_logprobs"]
+            if base["tokens"] != result["greedy"]["tokens"]:
+                row["equality"] = "logprobs run differs from the timed run"
+                failed = True
+        elif base is not None:
+            row["equality"], ok = _equality(base, result["greedy"])
+            failed |= not ok
+        if tree is not None and any(launches.get(f"tree steps, graph mode {mode}")
+                                    for mode in ("FULL", "PIECEWISE")):
+            row["kernels"] = "TREE STEPS REPLAYED A GRAPH"
+            failed = True
+        elif tree is not None:
+            missing = missing_kernels(launches, tree, staggered)
+            row["kernels"] = "all ran" if not missing else "MISSING " + ", ".join(missing)
+            failed |= bool(missing)
+        rows.append(row)
+        g, s = result["greedy"], result["sampled"]
+        print(f"    start {result['start_s']:.1f} s, warm-up {result['warmup_s']:.1f} s; greedy "
+              f"{g['tokens_per_s']:.1f} tok/s tau {_fmt(g['tau'], '.2f')}; sampled "
+              f"{s['tokens_per_s']:.1f} tok/s tau {_fmt(s['tau'], '.2f')}; "
+              f"{row.get('equality', '')} {row.get('kernels', '')}", flush=True)
+        print(f"    launches {launches}", flush=True)
+        write_report(rows, out, header)
+    print(write_report(rows, out, header), flush=True)
+    return 1 if failed else 0
