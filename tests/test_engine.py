@@ -248,7 +248,7 @@ def test_contexts_reaching_max_model_len_stay_lossless(trained):
     trims scheduled drafts: trees give way to plain decoding, output unchanged."""
     from vllm import SamplingParams
 
-    from training.data import heldout_prompts, load_tokenizer
+    from vllm_tfm.training.data import heldout_prompts, load_tokenizer
 
     lengths = (380, 430, 470)
     windows = heldout_prompts(load_tokenizer(trained.target), len(lengths), max(lengths))

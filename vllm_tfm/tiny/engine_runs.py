@@ -211,7 +211,10 @@ def greedy_regrets(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = cpu_engine(target, max_num_seqs=len(outputs))
+    longest = max(len(prompt) + len(output) for prompt, output in zip(prompt_ids, outputs))
+    # The scored text is a whole generation: it may fill the engine's max_model_len.
+    llm = cpu_engine(target, max_num_seqs=len(outputs),
+                     max_model_len=max(CPU_ENGINE_KWARGS["max_model_len"], longest + 1))
     requests = [TokensPrompt(prompt_token_ids=list(prompt) + list(output))
                 for prompt, output in zip(prompt_ids, outputs, strict=True)]
     scored = llm.generate(requests, SamplingParams(max_tokens=1, prompt_logprobs=1),
