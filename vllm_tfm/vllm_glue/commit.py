@@ -53,6 +53,9 @@ def _attention_layers_by_group(runner) -> list[tuple[int, list[str]]]:
 
 
 def commit_step(runner, step) -> None:
+    """Advance every request's caches along its accepted path, in place: a commit that
+    raises part-way leaves the caches of `written_requests` unknown (they cannot be
+    rolled back or committed twice)."""
     from triton_ops.gdn_tree import gdn_tree_commit
     from triton_ops.tree_attention import tree_kv_commit
     from triton_ops.tree_conv import tree_conv1d_commit
@@ -74,9 +77,21 @@ def commit_step(runner, step) -> None:
                         record_leaf)
         tree_conv1d_commit(record.conv_state, record.slots, record.conv_inputs,
                            record.meta, record_leaf)
-    step.gdn_records.clear()
-    # Slot 0 and the first conv columns now hold the committed state: tell
-    # vLLM's readers so (its convention resumes from slot num_accepted - 1).
+
+
+def written_requests(step) -> list[int]:
+    """Indices of the requests whose caches `commit_step` writes: the tree requests
+    (their K/V rows) and every request a GDN layer recorded (all decodes, drafts or
+    not; prompt chunks wrote their state in the forward)."""
+    written = set(step.tree_requests().tolist())
+    for record in step.gdn_records:
+        written.update(record.requests.tolist())
+    return sorted(written)
+
+
+def publish_commit(runner, num_reqs: int) -> None:
+    """Slot 0 and the first conv columns now hold the committed state: tell vLLM's
+    readers so (its convention resumes from slot num_accepted - 1)."""
     runner.num_accepted_tokens.gpu[:num_reqs] = 1
     # vLLM's own device-to-host copy of the counts may still be in flight (CUDA):
     # queue ours behind it on the same stream, and its event behind ours.

@@ -88,6 +88,18 @@ PATCHES: tuple[Patch, ...] = (
         "hand the target's final hidden states to the tree proposer (Weaver's h_v)",
     ),
     Patch(
+        _RUNNER, "GPUModelRunner.sample_tokens", f"{_GLUE}.runner:wrap_sample_tokens",
+        "requests whose caches a failed tree commit left unknown: drop their tokens of the "
+        "step and name them on the runner's output, for the scheduler to fail",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_from_output",
+        f"{_GLUE}.runner:wrap_scheduler_update_from_output",
+        "finish the requests the runner failed with FINISHED_ERROR (finish_reason 'error', "
+        "HTTP 500), as vLLM finishes its own request-level errors; the engine keeps serving "
+        "the others",
+    ),
+    Patch(
         _RUNNER, "GPUModelRunner.take_draft_token_ids",
         f"{_GLUE}.runner:wrap_take_draft_token_ids",
         "trees smaller than the budget are padded with -1 on the device: drop it",

@@ -9,23 +9,55 @@ The order within one engine step is:
     _sample           -> tree verifier: accepted path + bonus per request
     _update_states... -> commit the accepted path (KV, GDN, conv); deactivate
     propose_draft...  -> the tree proposer drafts the next trees
+    take_draft_token_ids -> the drafts vLLM schedules next
+
+Faults of the tree path never cost a wrong token, and cost the engine only where
+nothing safe is left:
+
+    drafting fails          -> the batch drafts nothing this step (plain decoding)
+    a request's tree is lost -> its drafts are scored but not verified (the root's
+                               token is exact) and it never drafts again
+    verification fails      -> every request gets vLLM's own sample at its root
+    the commit fails        -> the caches it was writing are unknown: those requests
+                               end with FinishReason.ERROR (HTTP 500), through the
+                               scheduler hook below; the others carry on
+    the target forward fails -> raised, as vLLM does for its own kernels
+
+vLLM 0.32's runner has no way to fail one request: ModelRunnerOutput carries no
+per-request error, and the scheduler finishes requests with FINISHED_ERROR only for
+its own causes (grammar compilation, encoder-cache mismatch, KV-connector load
+failures). `wrap_sample_tokens` hands the failed requests over on the runner's
+output and `wrap_scheduler_update_from_output` finishes them as vLLM finishes those.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue import tree_step as tree_step_module
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.tree_step import TreeStep
 
+logger = init_logger(__name__)
+
+# The attribute of a ModelRunnerOutput that lists the requests the runner failed.
+FAILED_REQUESTS = "tfm_failed_req_ids"
+
 
 def _enabled(runner) -> bool:
     return getattr(runner, "_tfm_options", None) is not None
+
+
+def _report_fault(stage: str, req_ids, consequence: str) -> None:
+    """Log a fault of the tree path with its traceback (from an except block)."""
+    logger.exception("dflash_tfm: %s failed for requests %s; %s", stage, list(req_ids),
+                     consequence)
 
 
 def wrap_init(original):
@@ -40,6 +72,8 @@ def wrap_init(original):
         self.drafter = TreeProposer(vllm_config, device, self, self._tfm_options)
         self._tfm_step = None
         self._tfm_hidden_states = None
+        self._tfm_undrafted: set[str] = set()  # requests that lost a tree: no more drafts
+        self._tfm_failed: set[str] = set()  # for the scheduler to finish with an error
 
     return __init__
 
@@ -50,17 +84,32 @@ def _conv_width(runner) -> int:
     return int(getattr(text, "linear_conv_kernel_dim", 4))
 
 
-def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec_metadata):
+def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec_metadata,
+                trees_lost: bool = False):
+    """The step's TreeStep. A request whose tree cannot be read back from the proposer
+    (or every request, with ``trees_lost``) is void: its drafts, already in the batch,
+    are scored as a chain and never accepted (see TreeStep.void)."""
     num_reqs = runner.input_batch.num_reqs
     req_ids = list(runner.input_batch.req_ids[:num_reqs])
     num_drafts = np.asarray(spec_metadata.num_draft_tokens, dtype=np.int64)
     num_nodes = num_drafts + 1
     max_nodes = int(num_nodes.max())
     parents = np.full((num_reqs, max_nodes), -1, dtype=np.int64)
+    void = np.zeros(num_reqs, dtype=bool)
     proposer = runner.drafter
     for r, req_id in enumerate(req_ids):
-        if num_drafts[r] > 0:
-            parents[r, : num_nodes[r]] = proposer.scheduled_parents(req_id, int(num_nodes[r]))
+        if num_drafts[r] == 0:
+            continue
+        count = int(num_nodes[r])
+        if not trees_lost:
+            try:
+                parents[r, :count] = proposer.scheduled_parents(req_id, count)
+                continue
+            except Exception:
+                _report_fault("reading its scheduled tree", [req_id],
+                              "its drafts are not verified and it drafts no more")
+        parents[r, :count] = np.arange(count) - 1
+        void[r] = True
     query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
     first_node_row = query_start[1:] - num_nodes
     node = np.arange(max_nodes)
@@ -85,6 +134,7 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         num_scheduled=torch.from_numpy(num_scheduled_tokens[:num_reqs].astype(np.int32)),
         linear_positions=runner.positions[:total].clone(),
         has_trees=bool((num_drafts > 0).any()),
+        void=torch.from_numpy(void).to(device) if void.any() else None,
     )
 
 
@@ -107,7 +157,17 @@ def wrap_prepare_inputs(original):
         spec_metadata = result[1]
         step = None
         if spec_metadata is not None:
-            step = _build_step(self, scheduler_output, num_scheduled_tokens, spec_metadata)
+            try:
+                step = _build_step(self, scheduler_output, num_scheduled_tokens, spec_metadata)
+                if step.void is not None:  # trees lost one by one: those requests' fault
+                    self._tfm_undrafted.update(
+                        req_id for req_id, lost in zip(step.req_ids, step.void.tolist()) if lost
+                    )
+            except Exception:
+                _report_fault("building the tree step", self.input_batch.req_ids,
+                              "no draft is verified this step")
+                step = _build_step(self, scheduler_output, num_scheduled_tokens, spec_metadata,
+                                   trees_lost=True)
             _apply_tree_positions(self, step)
         self._tfm_step = step
         tree_step_module.activate(step)
@@ -143,9 +203,14 @@ def wrap_sample(original):
             step.accepted_leaf = torch.zeros(len(step.req_ids), dtype=torch.int64,
                                              device=step.token_rows.device)
             return original(self, logits, spec_decode_metadata)
-        from vllm_tfm.vllm_glue.verify import verify_step
+        from vllm_tfm.vllm_glue.verify import sample_roots, verify_step
 
-        return verify_step(self, step, logits, spec_decode_metadata)
+        try:
+            return verify_step(self, step, logits, spec_decode_metadata)
+        except Exception:
+            _report_fault("tree verification", step.req_ids,
+                          "every request takes vLLM's sample at its root this step")
+            return sample_roots(self, step, logits, spec_decode_metadata)
 
     return _sample
 
@@ -160,9 +225,17 @@ def wrap_update_states_after_model_execute(original):
         step = self._tfm_step
         if step is None:
             return
-        from vllm_tfm.vllm_glue.commit import commit_step
+        from vllm_tfm.vllm_glue.commit import commit_step, publish_commit, written_requests
 
-        commit_step(self, step)
+        try:
+            commit_step(self, step)
+        except Exception:
+            failed = [step.req_ids[r] for r in written_requests(step)]
+            _report_fault("committing the accepted paths", failed,
+                          "their caches are unknown: they end with an error")
+            self._tfm_failed.update(failed)
+        step.gdn_records.clear()
+        publish_commit(self, len(step.req_ids))
 
     return _update_states_after_model_execute
 
@@ -171,11 +244,19 @@ def wrap_propose_draft_token_ids(original):
     @functools.wraps(original)
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata,
                                 hidden_states, *args, **kwargs):
-        if _enabled(self):
+        if not _enabled(self):
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, *args, **kwargs)
+        try:
             # Weaver reads the target's final-norm state of each bonus row.
             self.drafter.set_target_hidden_states(hidden_states, self._tfm_step)
-        return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
-                        hidden_states, *args, **kwargs)
+            return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
+                            hidden_states, *args, **kwargs)
+        except Exception:
+            # The step's tokens are verified and committed already; drafts are optional.
+            _report_fault("drafting", self.input_batch.req_ids, "no drafts this step")
+            self.drafter.take_drafted()
+            return [[] for _ in self.input_batch.req_ids]
 
     return propose_draft_token_ids
 
@@ -186,15 +267,69 @@ def wrap_take_draft_token_ids(original):
         drafts = original(self)
         if drafts is None or not _enabled(self):
             return drafts
+        self._tfm_undrafted &= self.requests.keys()
         if not self.drafter.take_drafted():
             # vLLM skipped drafting (a context too close to max_model_len) and
             # left zero placeholders; they form no tree, so schedule none.
-            drafts.draft_token_ids = [[] for _ in drafts.draft_token_ids]
-            return drafts
-        # Trees smaller than the budget are padded with -1: drop the padding.
-        drafts.draft_token_ids = [
-            [token for token in row if token >= 0] for row in drafts.draft_token_ids
-        ]
-        return drafts
+            rows = [[] for _ in drafts.draft_token_ids]
+        else:
+            # Trees smaller than the budget are padded with -1: drop the padding.
+            rows = [
+                [] if req_id in self._tfm_undrafted else [token for token in row if token >= 0]
+                for req_id, row in zip(drafts.req_ids, drafts.draft_token_ids)
+            ]
+        # A request vLLM left out of this step keeps the drafts it was given before,
+        # and the proposer holds the trees of this step's batch only: schedule none.
+        drafted = set(drafts.req_ids)
+        idle = [req_id for req_id in self.requests if req_id not in drafted]
+        return type(drafts)(list(drafts.req_ids) + idle, rows + [[] for _ in idle])
 
     return take_draft_token_ids
+
+
+def wrap_sample_tokens(original):
+    @functools.wraps(original)
+    def sample_tokens(self, *args, **kwargs):
+        output = original(self, *args, **kwargs)
+        if not _enabled(self) or not self._tfm_failed:
+            return output
+        failed, self._tfm_failed = frozenset(self._tfm_failed), set()
+        # vLLM may hand out shared output objects: change a copy. None of the failed
+        # requests' tokens of this step leaves the runner (the drafter saw them, so its
+        # inputs stayed well-formed).
+        output = copy.copy(output)
+        output.sampled_token_ids = [
+            [] if req_id in failed else tokens
+            for req_id, tokens in zip(output.req_ids, output.sampled_token_ids)
+        ]
+        setattr(output, FAILED_REQUESTS, failed)
+        return output
+
+    return sample_tokens
+
+
+def wrap_scheduler_update_from_output(original):
+    """Finish the requests a runner failed (`FAILED_REQUESTS`) with FINISHED_ERROR,
+    as the scheduler finishes its own request-level errors (update_from_output's
+    error_req_ids): the client gets finish_reason "error" (HTTP 500 from the OpenAI
+    server) and the engine keeps serving the others."""
+
+    @functools.wraps(original)
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = original(self, scheduler_output, model_runner_output)
+        failed = getattr(model_runner_output, FAILED_REQUESTS, None)
+        if not failed:
+            return outputs
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+        from vllm.v1.request import RequestStatus
+
+        for request in self.finish_requests(failed, RequestStatus.FINISHED_ERROR):
+            client = outputs.setdefault(request.client_index, EngineCoreOutputs())
+            client.outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[],
+                finish_reason=request.get_finished_reason(), events=request.take_events(),
+                trace_headers=request.trace_headers,
+            ))
+        return outputs
+
+    return update_from_output

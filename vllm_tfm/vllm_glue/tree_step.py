@@ -58,11 +58,18 @@ class TreeStep:
     has_trees: bool  # some request has draft nodes (known on the host, no sync)
     gdn_records: list[GDNCommitRecord] = dataclasses.field(default_factory=list)
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
+    # [R] bool, requests whose tree was lost after vLLM scheduled its drafts (see
+    # runner._build_step): their nodes are scored as a chain, which keeps every layer's
+    # input well-formed, and only the root is verified (its bonus token is exact, the
+    # drafts are never accepted). None: no tree was lost.
+    void: torch.Tensor | None = None
 
     @property
     def only_tree_rows(self) -> bool:
-        """Every scheduled token is a tree node (no prompt chunk in the batch)."""
-        return bool((self.num_scheduled == self.meta.num_nodes.to(self.num_scheduled.device)).all())
+        """Every scheduled token is a node of a tree with drafts: no prompt chunk and no
+        decode without drafts (a tree of one node, which tree attention leaves to vLLM)."""
+        num_nodes = self.meta.num_nodes.to(self.num_scheduled.device)
+        return bool(((self.num_scheduled == num_nodes) & (num_nodes > 1)).all())
 
     def tree_requests(self) -> torch.Tensor:
         """Indices of the requests whose tree has more than the root."""

@@ -9,9 +9,13 @@ through vLLM's own temperature / top-k / top-p processing; the drafting
 core's verifiers accept one root-to-node path plus a bonus token per request.
 Greedy requests always use the greedy verifier (their target distribution is
 a point mass); sampled requests use ``verify`` ("auto" = traversal).
+``sample_roots`` is the fallback that trusts no tree: vLLM's own sampler at
+every root, i.e. one step of plain decoding.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from vllm.v1.outputs import SamplerOutput
@@ -160,7 +164,8 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     sampling = runner.input_batch.sampling_metadata
     num_reqs = len(step.req_ids)
     num_nodes = step.meta.num_nodes
-    tree = runner.drafter.scheduled_trees(step.req_ids, num_nodes)
+    verified = num_nodes if step.void is None else torch.where(step.void, 1, num_nodes)
+    tree = runner.drafter.scheduled_trees(step.req_ids, verified)
     raw = logits.float()
     node_logits = apply_request_processing(_node_logits(raw, spec_metadata, num_nodes), tree,
                                            sampling)
@@ -188,6 +193,29 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     if sampling.max_num_logprobs is not None:
         logprobs = _path_logprobs(runner.sampler, raw, spec_metadata, num_nodes, result.path,
                                   sampled, sampling.max_num_logprobs)
+    return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+
+
+def sample_roots(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOutput:
+    """No draft accepted anywhere: each request's token is vLLM's own sample at its
+    root, the next token of plain decoding (the verifiers' fallback, which trusts
+    nothing of the trees)."""
+    sampling = runner.input_batch.sampling_metadata
+    num_reqs = len(step.req_ids)
+    num_nodes = step.meta.num_nodes
+    roots = (spec_metadata.cu_num_sampled_tokens.to(logits.device).long()
+             - num_nodes.to(logits.device).long())
+    plain = dataclasses.replace(sampling, max_num_logprobs=None)  # logprobs: below
+    root_output = runner.sampler(logits=logits[roots], sampling_metadata=plain)
+    step.accepted_leaf = torch.zeros(num_reqs, dtype=torch.int64, device=logits.device)
+    width = spec_metadata.max_spec_len + 1
+    sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=logits.device)
+    sampled[:, :1] = root_output.sampled_token_ids.view(num_reqs, 1).to(torch.int32)
+    logprobs = None
+    if sampling.max_num_logprobs is not None:
+        root_paths = torch.zeros(num_reqs, 1, dtype=torch.long, device=logits.device)
+        logprobs = _path_logprobs(runner.sampler, logits.float(), spec_metadata, num_nodes,
+                                  root_paths, sampled, sampling.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
 
 
