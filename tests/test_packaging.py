@@ -8,6 +8,8 @@ import tomllib
 from importlib.metadata import entry_points
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -52,3 +54,23 @@ def test_libraries_import_no_vllm_transformers_or_matplotlib():
     out = subprocess.run([sys.executable, "-c", _IMPORTS], capture_output=True, text=True,
                          check=True).stdout.splitlines()
     assert out == ["[]", "[]"]
+
+
+def test_version_gate_matches_the_cuda_extra(monkeypatch):
+    """The import-time gate and the `cuda` extra name the same vLLM minors (0.32, 0.33)."""
+    import vllm
+
+    from vllm_tfm.vllm_glue.patches import SUPPORTED_VLLM, check_vllm_version
+
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    cuda_range = pyproject["project"]["optional-dependencies"]["cuda"][0]
+    low = tuple(map(int, re.search(r">=(\d+)\.(\d+)", cuda_range).groups()))
+    high = tuple(map(int, re.search(r"<(\d+)\.(\d+)", cuda_range).groups()))
+    assert (low, high) == SUPPORTED_VLLM == ((0, 32), (0, 34))
+    for version in ("0.32.0", "0.32.3", "0.33.0", "0.33.1rc1"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        check_vllm_version()
+    for version in ("0.31.2", "0.34.0", "1.0.0", "dev"):
+        monkeypatch.setattr(vllm, "__version__", version)
+        with pytest.raises(RuntimeError, match=f"found vLLM {version}"):
+            check_vllm_version()

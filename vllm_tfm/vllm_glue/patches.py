@@ -2,8 +2,8 @@
 
 Each patch wraps one attribute of one vLLM module; the wrapper receives the
 original and returns the replacement. Applying twice is a no-op. Written for
-vLLM 0.32.x (model runner V1); the version is checked before anything is
-touched.
+vLLM 0.32.x and 0.33.x (model runner V1; every patched signature is the same in
+both); the version is checked before anything is touched.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 import importlib
 from typing import Any, Callable
 
-SUPPORTED_VLLM = ((0, 32), (0, 33))  # [low, high) on (major, minor)
+SUPPORTED_VLLM = ((0, 32), (0, 34))  # [low, high) on (major, minor)
 _MARK = "__vllm_tfm_original__"
 
 
