@@ -28,6 +28,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from triton_ops.weaver_step import take_top
 from vllm_tfm.drafting.tree import DraftTree, counter_gumbel
 from vllm_tfm.options import DEFAULT_FANOUT, default_expand_width
 
@@ -117,6 +118,7 @@ def build_weaver_tree(
     expand_width: int | None = None,
     max_depth: int | None = None,
     validate: bool = True,
+    backend: str = "auto",
 ) -> DraftTree:
     """Weaver's best-first tree (DESIGN.md section 3).
 
@@ -127,7 +129,12 @@ def build_weaver_tree(
     ``fanout`` children of each; nodes at ``max_depth`` (default D) are
     never expanded. The pop schedule is fixed by ``budget`` and w, so no step
     reads the device; a request whose frontier runs dry gets padding rows
-    and ends with fewer nodes. The last pop is not expanded.
+    and ends with fewer nodes. The last pop is not expanded. Every tensor keeps
+    its shape from step to step, so a CUDA graph can capture the loop.
+
+    The frontier pops and the children's ranking run through
+    ``triton_ops.weaver_step.take_top`` (``backend``: its Triton kernel or the
+    stable sort it replaces; both give the same order).
     """
     _check_inputs(root_tokens, pool_ids, None, budget, validate)
     R, D, P = pool_ids.shape
@@ -172,8 +179,7 @@ def build_weaver_tree(
             raise ValueError(
                 f"session.expand returned shape {list(rows.shape)}, expected {expected}"
             )
-        top, pos = torch.sort(rows.float(), dim=-1, descending=True, stable=True)
-        top, pos = top[..., :children], pos[..., :children]
+        top, pos = take_top(rows.float(), children, backend=backend)
         candidates = pool_ids[batch, depth.clamp(max=D - 1)].gather(-1, pos)
         child_score = torch.where(expandable[..., None], score[..., None] + top, float("-inf"))
         span = slice(fill, fill + node.shape[1] * children)
@@ -188,10 +194,8 @@ def build_weaver_tree(
         zero = torch.zeros(R, 1, dtype=torch.int64, device=device)
         expand_and_push(zero, root_tokens[:, None], zero - 1, zero, zero.float())
     for step, k in enumerate(pops):
-        score, pick = torch.sort(f_score, dim=-1, descending=True, stable=True)
-        score, pick = score[:, :k], pick[:, :k]
-        popped = score > float("-inf")  # a prefix of each row: the sort put -inf last
-        f_score.scatter_(1, pick, float("-inf"))
+        score, pick = take_top(f_score, k, consume=True, backend=backend)
+        popped = score > float("-inf")  # a prefix of each row: -inf ranks last
         node = torch.where(popped, num[:, None] + torch.arange(k, device=device), -1)
         slot = torch.where(popped, node, N)
         token, parent = f_token.gather(1, pick), f_parent.gather(1, pick)

@@ -63,6 +63,7 @@ def draft_trees(
     fanout: int = DEFAULT_FANOUT,
     expand_width: int | None = None,
     validate: bool = True,
+    backend: str = "auto",
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -80,6 +81,8 @@ def draft_trees(
             ``expand_width`` None is ``options.default_expand_width(budget)``.
         validate: check the inputs on the host. The engine turns it off: its
             pools come from top-k and its nodes from the builders.
+        backend: tree "weaver" only: the frontier ops' backend (see
+            ``build_weaver_tree``).
     """
     ids, scores = pools
     if tree == "chain":
@@ -100,5 +103,5 @@ def draft_trees(
     )
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
-        validate=validate,
+        validate=validate, backend=backend,
     )

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from triton_ops.pool_logits import pool_logits_log_softmax
+from triton_ops.weaver_step import apply_rotary, node_attention, rms_norm
 
 LAYOUTS = ("learned_pos", "rope_swiglu")
 # Sanity bounds: DFlash blocks are 16 wide and pools 512 deep; values far past
@@ -187,9 +188,9 @@ class WeaverRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * self.weight.float() + self.bias.float()).to(x.dtype)
+        # The fused kernel has no backward: training keeps the PyTorch form.
+        backend = "torch" if torch.is_grad_enabled() else "auto"
+        return rms_norm(x, self.weight, self.bias, self.eps, backend=backend)
 
 
 class _WeaverBlock(nn.Module):
@@ -204,6 +205,15 @@ class _WeaverBlock(nn.Module):
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         return t.unflatten(-1, (self.num_heads, self.head_dim))
+
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [..., d_rank], positions [...] int64 -> q, k (rotated where the layout
+        rotates), v [..., H, hd]."""
+        q, k, v = self.project(self.norm_attn(x))
+        tables = self.rotary_tables(positions)
+        if tables is None:
+            return q, k, v
+        return apply_rotary(q, *tables), apply_rotary(k, *tables), v
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., d_rank] plus o_proj of attn [..., H, hd], then plus the MLP."""
@@ -224,10 +234,13 @@ class LearnedPosBlock(_WeaverBlock):
         self.fc1 = nn.Linear(d, config.mlp_dim)
         self.fc2 = nn.Linear(config.mlp_dim, d)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [..., d_rank] -> q, k, v [..., H, hd]; ``positions`` is unused here."""
-        h = self.norm_attn(x)
+    def project(self, h: torch.Tensor):
+        """Normed input h [..., d_rank] -> q, k, v [..., H, hd]."""
         return self._heads(self.q_proj(h)), self._heads(self.k_proj(h)), self._heads(self.v_proj(h))
+
+    def rotary_tables(self, positions: torch.Tensor) -> None:
+        """No rotary: positions enter through ``pos_emb``."""
+        return None
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(h)))
@@ -245,24 +258,18 @@ class RopeSwigluBlock(_WeaverBlock):
         self.gate_up_proj = nn.Linear(d, 2 * config.mlp_dim)
         self.down_proj = nn.Linear(config.mlp_dim, d)
 
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [..., d_rank], positions [...] int64 -> q, k (rotated), v [..., H, hd]."""
-        qkv = self.qkv_proj(self.norm_attn(x))
-        q, k, v = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
-        half = self.head_dim // 2
+    def project(self, h: torch.Tensor):
+        """Normed input h [..., d_rank] -> q, k, v [..., H, hd], before rotary."""
+        return self.qkv_proj(h).unflatten(-1, (3, self.num_heads, self.head_dim)).unbind(-3)
+
+    def rotary_tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [..., hd/2] float32 of ``positions`` [...] int64."""
         inv_freq = self.rope_theta ** (
-            -torch.arange(0, self.head_dim, 2, device=x.device, dtype=torch.float32) / self.head_dim
+            -torch.arange(0, self.head_dim, 2, device=positions.device, dtype=torch.float32)
+            / self.head_dim
         )
-        angles = positions.float()[..., None] * inv_freq  # [..., hd/2]
-        cos = torch.cat([angles.cos(), angles.cos()], -1).unsqueeze(-2)
-        sin = torch.cat([angles.sin(), angles.sin()], -1).unsqueeze(-2)
-
-        def rotate(t: torch.Tensor) -> torch.Tensor:
-            tf = t.float()
-            turned = torch.cat([-tf[..., half:], tf[..., :half]], -1)
-            return (tf * cos + turned * sin).to(t.dtype)
-
-        return rotate(q), rotate(k), v
+        angles = positions.float()[..., None] * inv_freq
+        return angles.cos(), angles.sin()
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
@@ -543,6 +550,9 @@ class WeaverRound:
         self.node_values = torch.zeros_like(self.node_keys)
         self.node_depth = torch.full((rows, max_nodes + 1), -1, dtype=torch.int64, device=device)
         self.paths = torch.full((rows, max_nodes + 1, prefix), -1, dtype=torch.int64, device=device)
+        # Node positions are depth + 1 <= D: one rotary table per layer for the round.
+        positions = torch.arange(prefix + 1, device=device)
+        self.rotary_tables = [block.rotary_tables(positions) for block in weaver.blocks]
 
     @torch.no_grad()
     def expand(
@@ -589,7 +599,7 @@ class WeaverRound:
         if self.validate and _may_sync(node_index):
             self._check_nodes(node_index, tokens, parent_index, depths)
 
-        weaver, cfg = self.weaver, self.weaver.config
+        weaver = self.weaver
         n, d_max = self.max_nodes, self.depth
         batch = torch.arange(rows, device=node_index.device)[:, None]
         real = node_index >= 0
@@ -600,31 +610,22 @@ class WeaverRound:
         # A node's path is its parent's path plus itself at its own depth.
         has_parent = real & (parent_index >= 0)
         parent_paths = self.paths[batch, torch.where(has_parent, parent_index, 0)]
-        paths = torch.where(has_parent[..., None], parent_paths, -1)
-        paths.scatter_(2, depths.clamp(0, d_max)[..., None], node_index[..., None])
+        ancestors = torch.where(has_parent[..., None], parent_paths, -1)  # [R, w, D+1]
+        paths = ancestors.scatter(2, depths.clamp(0, d_max)[..., None], node_index[..., None])
         self.paths[batch, slot] = paths
         self.node_depth[batch, slot] = torch.where(real, depths, -1)
-        path_mask = paths >= 0  # [R, w, D+1]
-        path_slots = torch.where(path_mask, paths, n)
 
         positions = torch.where(active, depths, 0) + 1
         x = weaver.token_table[torch.where(real, tokens, 0)]
         x = weaver._add_positions(x, positions)
-        scale = cfg.head_dim**-0.5
         for layer, block in enumerate(weaver.blocks):
-            q, k, v = block.qkv(x, positions)  # [R, w, H, hd]
-            self.node_keys[layer][batch, kv_slot] = k
-            self.node_values[layer][batch, kv_slot] = v
-            path_k = self.node_keys[layer][batch[..., None], path_slots]  # [R, w, D+1, H, hd]
-            path_v = self.node_values[layer][batch[..., None], path_slots]
-            qf = q.float()
-            prefix_scores = torch.einsum("rwhd,rthd->rwht", qf, self.prefix_keys[layer].float())
-            path_scores = torch.einsum("rwhd,rwshd->rwhs", qf, path_k.float())
-            path_scores = path_scores.masked_fill(~path_mask[:, :, None, :], float("-inf"))
-            probs = torch.softmax(torch.cat([prefix_scores, path_scores], -1) * scale, dim=-1)
-            prefix_probs, path_probs = probs.split([d_max + 1, d_max + 1], dim=-1)
-            attn = torch.einsum("rwht,rthd->rwhd", prefix_probs, self.prefix_values[layer].float())
-            attn = attn + torch.einsum("rwhs,rwshd->rwhd", path_probs, path_v.float())
+            q, k, v = block.project(block.norm_attn(x))  # [R, w, H, hd], before rotary
+            tables = self.rotary_tables[layer]
+            cos, sin = (None, None) if tables is None else (t[positions] for t in tables)
+            attn = node_attention(
+                q, k, v, self.prefix_keys[layer], self.prefix_values[layer],
+                self.node_keys[layer], self.node_values[layer], kv_slot, ancestors, cos, sin,
+            )
             x = block.finish(x, attn)
         y = weaver.out_norm(x)
 
