@@ -109,6 +109,9 @@ TRITON_CASES = [
     (1, 70, 1, 1, 16, 16, ["random"]),
     (2, 24, 2, 2, 64, 64, ["forest", "random"]),
     (1, 16, 1, 1, 128, 128, ["bushy"]),
+    # Past one 64-row block: block forward substitution across row blocks.
+    (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
+    (2, 128, 1, 2, 32, 16, ["chain", "random"]),
 ]
 
 
@@ -137,6 +140,29 @@ def test_triton_verify_and_commit_match_naive(case, poisoned_outputs, gen):
     untouched = torch.ones(pool.shape[0], dtype=torch.bool)
     untouched[slots.long()] = False
     assert torch.equal(new_pool[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_mixed_counts_skip_padding_row_blocks(dtype, poisoned_outputs, gen):
+    """Requests of 128, 65, 64, 17 and 1 nodes in one batch: some end inside the
+    first row block, some one node into the second, whose padding blocks the
+    kernels skip; every real node still matches, every padding row is zero."""
+    counts = [128, 65, 64, 17, 1]
+    B, N, H, HV, K, V = len(counts), 128, 1, 3, 16, 16
+    meta = random_tree_metadata(gen, ["bushy", "random", "chain", "forest", "star"], N, counts)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V, dtype=dtype)
+    # Padding inputs hold NaN: no kernel may read them.
+    for t in (q, k, v, g, beta):
+        t[~meta.valid] = float("nan")
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    ref_o = torch.where(meta.valid[..., None, None], ref_o, 0.0)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
+    check_verify(out, ref_o, meta, FP32_TOL if dtype == torch.float32 else 1e-2)
+    leaf = meta.num_nodes.long() - 1
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
+    for b in range(B):
+        assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL, counts[b]
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -1,22 +1,39 @@
 """Triton kernels for tree verify and commit (the CUDA path).
 
-Verify, N <= 64 (``_verify_tile_kernel``): one program per (request, value head,
-block of BV value columns) holds all nodes in one tile. It forms ``Q K^T``,
-``K K^T``, ``K S0`` and ``Q S0`` with K in chunks of 64 (``S0`` is read once),
-then solves ``(I + A) Delta = R`` by block forward substitution over 16-row
-blocks: the 16x16 diagonal blocks are inverted together, row position by row
-position, in plain fp32 (stable for repeated keys, where powers of A explode),
-and each later block subtracts its ancestors' contributions with one dot.
+Verify runs in two launches, the split fla's chunk kernels use, so that no
+kernel holds the triangular solve and the state products at once:
 
-Verify, N > 64 (``_verify_rowblock_kernel``): the same algebra one 16-row block
-at a time, ``S0`` kept in registers, earlier blocks' ``Delta`` re-read from the
-output buffer (a barrier orders the two within the program), off-diagonal
-blocks with no ancestor pair skipped.
+1. ``_verify_prepare_kernel``, one program per (request, value head, block of
+   ``SB`` <= 64 rows): the path sums G, the masked ``A``, its inverse and the
+   masked ``Q K^T`` scores, written to a per-head workspace.
+2. ``_verify_output_kernel``, one program per (request, value head, block of BV
+   value columns): ``K S0`` and ``Q S0``, then ``Delta`` and the outputs with the
+   workspace's matrices, row block after row block.
+
+With the row blocks r, c of ``SB`` nodes the workspace ``solve`` holds
+``T_rr = (I + A_rr)^{-1} diag(beta_r)`` on its diagonal blocks and
+``A_rc / beta_r`` below them, ``scores`` holds ``P_rc`` (``c <= r``); then
+block forward substitution gives
+
+    U_r     = V_r - diag(e^G) K_r S0
+    Delta_r = T_rr (U_r - sum_{c<r} (A_rc / beta_r) Delta_c)
+    O_r     = diag(e^G) Q_r S0 + sum_{c<=r} P_rc Delta_c
+
+Inside a block, ``(I + A_rr)^{-1}`` is formed from its 16x16 diagonal blocks,
+inverted row by row in plain fp32 (stable for repeated keys, where powers of A
+explode), merged by forward substitution over the 16-row blocks. Both kernels
+stop at each request's own node count: padding blocks cost nothing.
 
 Commit runs one program per (request, value head, K block, V block).
 
-Path sums G are accumulated and kept in float64 and only their differences are
-rounded to fp32 (see ``GDNTreeVerifyOutput.gate_sum``).
+Dot precision (``precision`` = PREC, tf32x3 by default): ``K K^T`` and ``Q K^T``
+of 16-bit inputs run natively (exact products, fp32 accumulation), of fp32
+inputs at PREC; ``K S0``, ``Q S0``, the merges of the triangular solve,
+``T U``, ``A Delta``, ``P Delta`` and commit's ``K^T Delta`` at PREC.
+
+Path sums G are accumulated and kept in float64; inside the kernels they are
+split into fp32 (hi, lo) pairs so that ``G_i - G_j`` is accurate in fp32 (see
+``GDNTreeVerifyOutput.gate_sum``).
 
 Shapes are documented in :mod:`.chunk`, which validates the arguments.
 """
@@ -29,30 +46,21 @@ import triton.language as tl
 
 from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
 from triton_ops.tree_metadata import TreeMetadata
-from triton_ops.utils import bit_is_set, dot_block
+from triton_ops.utils import bit_is_set, dot_block, interpreting
 
 ROW_BLOCK = 16
-# Largest node count handled as one tile; beyond it the row-block kernel runs.
-TILE_MAX_NODES = 64
+# Rows of one verify block: the masked A and its inverse stay in registers.
+MAX_SUPER_BLOCK = 64
 K_CHUNK = 64
-# BV = 16 hit an illegal memory access in the tile kernel under Triton 3.6 on an
-# H200 (cause not established); narrower V is padded to 32 columns instead.
+# BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
+# on an H200 (cause not established); narrower V is padded to 32 columns instead.
 MIN_BLOCK_V = 32
-# Registers hold the [BK, BV] state tile for the whole program: cap its size.
-_STATE_TILE_ELEMS = 8192
 
 
-def default_block_v(K: int, V: int) -> int:
-    """Value columns per row-block verify program, within the register cap."""
-    BK = dot_block(K)
-    return max(MIN_BLOCK_V, min(dot_block(V), 64, _STATE_TILE_ELEMS // BK))
-
-
-def default_tile_config(heads: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) of the tile kernel: split V finely while the batch is small
-    so that the programs cover the GPU; every program re-solves its head's
-    triangular system, which is cheap next to the value-side products."""
-    BV = 32 if heads < 128 else 64 if heads < 512 else 128
+def default_output_config(heads: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of the output kernel: split V finely while the batch is
+    small so that the programs cover the GPU."""
+    BV = 32 if heads < 512 else 64
     return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
 
 
@@ -63,6 +71,13 @@ def load_rows(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
     return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(
         tl.float32
     )
+
+
+@triton.jit
+def load_chunk(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
+    """Like :func:`load_rows` but in the stored dtype."""
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -84,47 +99,40 @@ def ancestor_bits(words, row_base, rows, cols, W, n_valid):
 
 
 @triton.jit
-def unit_lower_inverse(a, BT: tl.constexpr):
-    """(I + a)^{-1} for strictly lower triangular ``a`` [BT, BT], row by row:
-    ``T_i = e_i - sum_{j<i} a_ij T_j`` (plain fp32 arithmetic)."""
-    idx = tl.arange(0, BT)
-    t = tl.where(idx[:, None] == idx[None, :], 1.0, 0.0)
-    for i in tl.static_range(1, BT):
-        a_i = tl.sum(tl.where(idx[:, None] == i, a, 0.0), axis=0)
-        t_i = (idx == i).to(tl.float32) - tl.sum(a_i[:, None] * t, axis=0)
-        t = tl.where(idx[:, None] == i, t_i[None, :], t)
-    return t
-
-
-@triton.jit
-def word_bits(lo, hi, cols):
-    """[NP, len(cols)] bool: bit ``cols[j]`` of each row's 64-bit word given as int32 halves."""
-    half = tl.where(cols[None, :] < 32, lo[:, None], hi[:, None])
-    return ((half >> (cols[None, :] % 32)) & 1) != 0
-
-
-@triton.jit
-def path_decay(lo, hi, nodes, g_hi, g_lo):
-    """[NP, NP] ``exp(G_i - G_j)`` where ``j`` is ``i`` or its ancestor, else 0; the
-    difference is taken on the (hi, lo) halves and masked inside the exponent."""
-    diff = (g_hi[:, None] - g_hi[None, :]) + (g_lo[:, None] - g_lo[None, :])
-    return tl.exp(tl.where(word_bits(lo, hi, nodes), diff, float("-inf")))
-
-
-@triton.jit
-def load_chunk(ptr, rows, cols, stride_r, stride_c, n_rows, n_cols):
-    """Like :func:`load_rows` but in the stored dtype."""
-    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
-    return tl.load(ptr + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
-
-
-@triton.jit
 def dot_raw(x, y, PREC: tl.constexpr, LOWP: tl.constexpr):
     """x @ y in fp32: 16-bit operands multiply natively (their products are exact
     in the fp32 accumulator), fp32 operands at precision PREC."""
     if LOWP:
         return tl.dot(x, y)
     return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision=PREC)
+
+
+@triton.jit
+def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
+    """G of ``rows`` in float64: the sum of g over each node and its ancestors,
+    which precede it (topological order), in BT-column slices."""
+    acc = tl.zeros(rows.shape, dtype=tl.float64)
+    last = tl.minimum(tl.max(rows) + 1, n_b)
+    for c in range(0, tl.cdiv(last, BT)):
+        cols = c * BT + tl.arange(0, BT)
+        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
+        bits = ancestor_bits(words, row_base, rows, cols, W, n_b)
+        acc += tl.sum(tl.where(bits, g_c[None, :], 0.0), axis=1)
+    return acc
+
+
+@triton.jit
+def masked_decay(pairs, gr, gc):
+    """``exp(G_i - G_j)`` where ``pairs`` (ancestor or self), else 0. The float64
+    G are split in fp32 (hi, lo) halves whose differences are exact enough, and
+    the mask goes inside the exponent: non-ancestor differences may be thousands
+    of nats, where ``exp(.) * 0`` is ``inf * 0``."""
+    r_hi = gr.to(tl.float32)
+    r_lo = (gr - r_hi.to(tl.float64)).to(tl.float32)
+    c_hi = gc.to(tl.float32)
+    c_lo = (gc - c_hi.to(tl.float64)).to(tl.float32)
+    diff = (r_hi[:, None] - c_hi[None, :]) + (r_lo[:, None] - c_lo[None, :])
+    return tl.exp(tl.where(pairs, diff, float("-inf")))
 
 
 @triton.jit
@@ -147,206 +155,184 @@ def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _verify_tile_kernel(
-    q, k, v, g, beta, state, slots, words, num_nodes,
-    o, delta, gate_sum, k_normed,
-    stride_qb, stride_qn, stride_qh, stride_qk,
-    stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_vb, stride_vn, stride_vh, stride_vv,
-    stride_gb, stride_gn, stride_gh,
-    stride_bb, stride_bn, stride_bh,
-    stride_ss, stride_sh, stride_sk, stride_sv,
-    scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    LOWP_QK: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    h = hv // GROUP
-    H = HV // GROUP
-    n_b = tl.load(num_nodes + b)
-    slot = tl.load(slots + b).to(tl.int64)
-    nodes = tl.arange(0, NP)
-    live = nodes < n_b
-    cv = i_v * BV + tl.arange(0, BV)
-    q += b * stride_qb + h * stride_qh
-    k += b * stride_kb + h * stride_kh
-    v += b * stride_vb + hv * stride_vh
-    g += b * stride_gb + hv * stride_gh
-    beta += b * stride_bb + hv * stride_bh
-    state += slot * stride_ss + hv * stride_sh
-
-    # N <= 64: one bitset word per node, handled as two int32 halves (int64 tiles
-    # cost twice the registers). G is summed in float64 over 16-column slices and
-    # kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
-    word = tl.load(words + b * N + nodes, mask=live, other=0)
-    lo = word.to(tl.int32)
-    hi = (word >> 32).to(tl.int32)
-    g_sum = tl.zeros([NP], dtype=tl.float64)
-    for c in tl.static_range(NP // BT):
-        cols = c * BT + tl.arange(0, BT)
-        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
-        g_sum += tl.sum(tl.where(word_bits(lo, hi, cols), g_c[None, :], 0.0), axis=1)
-    tl.store(gate_sum + b * N * HV + hv + nodes * HV, g_sum, mask=nodes < N)
-    g_hi = g_sum.to(tl.float32)
-    g_lo = (g_sum - g_hi.to(tl.float64)).to(tl.float32)
-
-    # Three passes over K in chunks of BKC, each keeping few tiles alive (register
-    # pressure, not bandwidth, limits this kernel; the re-reads of q and k hit
-    # cache): K K^T -> A; then K S0, Q S0 -> right-hand side; solve; then Q K^T.
-    # L2 normalisation is applied to the raw products afterwards.
-    kk = tl.zeros([NP, NP], dtype=tl.float32)
-    k_sq = tl.zeros([NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        b_k = load_chunk(k, nodes, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
-    b_beta = tl.load(beta + nodes * stride_bn, mask=live, other=0.0).to(tl.float32)
-    decay = path_decay(lo, hi, nodes, g_hi, g_lo)
-    a = tl.where(nodes[:, None] > nodes[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-
-    ks = tl.zeros([NP, BV], dtype=tl.float32)
-    qs = tl.zeros([NP, BV], dtype=tl.float32)
-    q_sq = tl.zeros([NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        ck = c * BKC + tl.arange(0, BKC)
-        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
-        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K).to(tl.float32)
-        ks += tl.dot(b_k, s0, input_precision=PREC)
-        b_q = load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K).to(tl.float32)
-        qs += tl.dot(b_q, s0, input_precision=PREC)
-        q_sq += tl.sum(b_q * b_q, axis=1)
-    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
-    e_g = tl.exp(g_hi)
-    b_v = load_rows(v, nodes, cv, stride_vn, stride_vv, n_b, V)
-    rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
-
-    # Block forward substitution: every block solved with its diagonal inverse,
-    # block r after subtracting A_{r,<r} Delta_{<r} of the blocks before it.
-    d_inv = block_diagonal_inverse(a, NP, BT)
-    d = tl.dot(d_inv, rhs, input_precision=PREC)
-    blk = nodes // BT
-    for r in tl.static_range(1, NP // BT):
+def unit_lower_inverse(a, SB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """``(I + a)^{-1}`` [SB, SB] for strictly lower triangular ``a``: the 16-row
+    diagonal blocks inverted together, then block row r of the inverse is
+    ``D_r^{-1} (e_r - a_{r,<r} T_{<r})`` over the rows already final."""
+    d_inv = block_diagonal_inverse(a, SB, BT)
+    t = d_inv
+    blk = tl.arange(0, SB) // BT
+    for r in tl.static_range(1, SB // BT):
         a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
-        x = rhs - tl.dot(a_r, d, input_precision=PREC)
-        d = tl.where(blk[:, None] == r, tl.dot(d_inv, x, input_precision=PREC), d)
-
-    qk = tl.zeros([NP, NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        ck = c * BKC + tl.arange(0, BKC)
-        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K)
-        qk += dot_raw(load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
-        if (i_v == 0) & (hv % GROUP == 0):
-            tl.store(
-                k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
-                b_k.to(tl.float32) * rk[:, None], mask=(nodes[:, None] < N) & (ck[None, :] < K),
-            )
-    p = qk * (rq[:, None] * rk[None, :]) * path_decay(lo, hi, nodes, g_hi, g_lo)
-    b_o = (e_g * rq)[:, None] * qs + tl.dot(p, d, input_precision=PREC)
-    out = b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :]
-    out_mask = (nodes[:, None] < N) & (cv[None, :] < V)
-    tl.store(delta + out, d, mask=out_mask)
-    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
+        t -= tl.dot(d_inv, tl.dot(a_r, t, input_precision=PREC), input_precision=PREC)
+    return t
 
 
 @triton.jit
-def _verify_rowblock_kernel(
-    q, k, v, g, beta, state, slots, words, num_nodes,
-    o, delta, gate_sum, k_normed,
+def _verify_prepare_kernel(
+    q, k, g, beta, words, num_nodes,
+    gate_sum, k_normed, solve, scores,
     stride_qb, stride_qn, stride_qh, stride_qk,
     stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_vb, stride_vn, stride_vh, stride_vv,
     stride_gb, stride_gn, stride_gh,
     stride_bb, stride_bn, stride_bh,
-    stride_ss, stride_sh, stride_sk, stride_sv,
-    scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    scale, N, HV, K, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
+    i_r = tl.program_id(0)
     i_bh = tl.program_id(1)
     b = (i_bh // HV).to(tl.int64)
     hv = i_bh % HV
     h = hv // GROUP
     H = HV // GROUP
     n_b = tl.load(num_nodes + b)
+    rows = i_r * SB + tl.arange(0, SB)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
+    solve += i_bh.to(tl.int64) * NP * NP
+    scores += i_bh.to(tl.int64) * NP * NP
+
+    # Padding rows get G = 0 and zero keys: their loads are masked off.
+    g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+    tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
+    k_sq = tl.zeros([SB], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        b_k = load_rows(k, rows, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+        k_sq += tl.sum(b_k * b_k, axis=1)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+    if hv % GROUP == 0:  # one program per key head stores the keys commit reads
+        for c in tl.static_range(BK // BKC):
+            ck = c * BKC + tl.arange(0, BKC)
+            b_k = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            tl.store(
+                k_normed + b * N * H * K + h * K + rows[:, None] * H * K + ck[None, :],
+                b_k * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+            )
+
+    if i_r * SB < n_b:
+        b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
+        # Earlier blocks c < r: A_rc / beta_r and P_rc (only trees past SB nodes).
+        for c in range(0, i_r):
+            cols = c * SB + tl.arange(0, SB)
+            kk = tl.zeros([SB, SB], dtype=tl.float32)
+            qk = tl.zeros([SB, SB], dtype=tl.float32)
+            q_sq = tl.zeros([SB], dtype=tl.float32)
+            kc_sq = tl.zeros([SB], dtype=tl.float32)
+            for j in tl.static_range(BK // BKC):
+                ck = j * BKC + tl.arange(0, BKC)
+                b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
+                b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+                b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+                kk += dot_raw(b_k, tl.trans(b_kc), PREC, LOWP_QK)
+                qk += dot_raw(b_q, tl.trans(b_kc), PREC, LOWP_QK)
+                q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+                kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
+            rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
+            rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+            g_c = path_sums(g, stride_gn, words, b * N, cols, n_b, W, BT)
+            decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_b), g_r, g_c)
+            at = rows[:, None] * NP + cols[None, :]
+            tl.store(solve + at, kk * (rk[:, None] * rkc[None, :]) * decay)
+            tl.store(scores + at, qk * (rq[:, None] * rkc[None, :]) * decay)
+
+        # The diagonal block: T_rr = (I + A_rr)^{-1} diag(beta_r), then P_rr.
+        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), g_r, g_r)
+        kk = tl.zeros([SB, SB], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+            kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        strict = rows[:, None] > rows[None, :]
+        a = tl.where(strict, kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+        at = rows[:, None] * NP + rows[None, :]
+        tl.store(solve + at, unit_lower_inverse(a, SB, BT, PREC) * b_beta[None, :])
+        qk = tl.zeros([SB, SB], dtype=tl.float32)
+        q_sq = tl.zeros([SB], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            ck = j * BKC + tl.arange(0, BKC)
+            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+            qk += dot_raw(b_q, tl.trans(b_k), PREC, LOWP_QK)
+            q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
+        tl.store(scores + at, qk * (rq[:, None] * rk[None, :]) * decay)
+
+
+@triton.jit
+def _verify_output_kernel(
+    q, k, v, state, slots, num_nodes,
+    gate_sum, solve, scores, o, delta,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    scale, N, HV, K, V,
+    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    n_b = tl.load(num_nodes + b)
     slot = tl.load(slots + b).to(tl.int64)
-    ck = tl.arange(0, BK)
     cv = i_v * BV + tl.arange(0, BV)
     q += b * stride_qb + h * stride_qh
     k += b * stride_kb + h * stride_kh
     v += b * stride_vb + hv * stride_vh
-    g += b * stride_gb + hv * stride_gh
-    beta += b * stride_bb + hv * stride_bh
+    state += slot * stride_ss + hv * stride_sh
     gate_sum += b * N * HV + hv
-    delta += b * N * HV * V + hv * V
-    o += b * N * HV * V + hv * V
-    k_normed += b * N * H * K + h * K
-    # One program per key head stores the normalised keys for commit.
-    k_rows = tl.where((i_v == 0) & (hv % GROUP == 0), N, 0)
+    solve += i_bh.to(tl.int64) * NP * NP
+    scores += i_bh.to(tl.int64) * NP * NP
+    out = b * N * HV * V + hv * V
+    o += out
+    delta += out
 
-    # G = Mbar g for every node, shared by all row blocks through gate_sum.
-    nodes = tl.arange(0, NP)
-    g_all = tl.load(g + nodes * stride_gn, mask=nodes < n_b, other=0.0).to(tl.float64)
-    tree = ancestor_bits(words, b * N, nodes, nodes, W, n_b)
-    tl.store(gate_sum + nodes * HV, tl.sum(tl.where(tree, g_all[None, :], 0.0), axis=1), mask=nodes < N)
-    tl.debug_barrier()
-
-    s0 = load_rows(state + slot * stride_ss + hv * stride_sh, ck, cv, stride_sk, stride_sv, K, V)
-    rb = tl.arange(0, BT)
-    strict = rb[:, None] > rb[None, :]
-    for r in range(0, tl.cdiv(n_b, BT)):
-        rows = r * BT + rb
-        b_q = l2_normalize_rows(load_rows(q, rows, ck, stride_qn, stride_qk, n_b, K), USE_L2) * scale
-        b_k = l2_normalize_rows(load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K), USE_L2)
-        tl.store(
-            k_normed + rows[:, None] * H * K + ck[None, :], b_k,
-            mask=(rows[:, None] < k_rows) & (ck[None, :] < K),
-        )
-        b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
-        b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
-        b_g = tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0)
-        b_eg = tl.exp(b_g.to(tl.float32))
-        b_x = b_beta[:, None] * (b_v - b_eg[:, None] * tl.dot(b_k, s0, input_precision=PREC))
-        b_o = b_eg[:, None] * tl.dot(b_q, s0, input_precision=PREC)
+    for r in range(0, tl.cdiv(n_b, SB)):
+        rows = r * SB + tl.arange(0, SB)
+        ks = tl.zeros([SB, BV], dtype=tl.float32)
+        qs = tl.zeros([SB, BV], dtype=tl.float32)
+        k_sq = tl.zeros([SB], dtype=tl.float32)
+        q_sq = tl.zeros([SB], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            ck = j * BKC + tl.arange(0, BKC)
+            s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+            b_k = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            b_q = load_rows(q, rows, ck, stride_qn, stride_qk, n_b, K)
+            ks += tl.dot(b_k, s0, input_precision=PREC)
+            qs += tl.dot(b_q, s0, input_precision=PREC)
+            k_sq += tl.sum(b_k * b_k, axis=1)
+            q_sq += tl.sum(b_q * b_q, axis=1)
+        rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
+        e_g = tl.exp(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0).to(tl.float32))
+        u = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V) - (e_g * rk)[:, None] * ks
+        b_o = (e_g * rq)[:, None] * qs
         for c in range(0, r):
-            cols = c * BT + rb
-            pairs = ancestor_bits(words, b * N, rows, cols, W, n_b)
-            if tl.max(pairs.to(tl.int32)) > 0:
-                b_kc = l2_normalize_rows(load_rows(k, cols, ck, stride_kn, stride_kk, n_b, K), USE_L2)
-                b_gc = tl.load(gate_sum + cols * HV)
-                b_dc = load_rows(delta, cols, cv, HV * V, 1, N, V)
-                decay_rc = tl.exp(tl.where(pairs, (b_g[:, None] - b_gc[None, :]).to(tl.float32), float("-inf")))
-                b_arc = tl.dot(b_k, tl.trans(b_kc), input_precision=PREC) * decay_rc * b_beta[:, None]
-                b_prc = tl.dot(b_q, tl.trans(b_kc), input_precision=PREC) * decay_rc
-                b_x -= tl.dot(b_arc, b_dc, input_precision=PREC)
-                b_o += tl.dot(b_prc, b_dc, input_precision=PREC)
-        diag = ancestor_bits(words, b * N, rows, rows, W, n_b)
-        decay = tl.exp(tl.where(diag, (b_g[:, None] - b_g[None, :]).to(tl.float32), float("-inf")))
-        b_a = tl.where(strict, tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * decay * b_beta[:, None], 0.0)
-        b_p = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * decay
-        b_d = tl.dot(unit_lower_inverse(b_a, BT), b_x, input_precision=PREC)
-        b_o += tl.dot(b_p, b_d, input_precision=PREC)
+            cols = c * SB + tl.arange(0, SB)
+            at = rows[:, None] * NP + cols[None, :]
+            d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
+            u -= tl.dot(tl.load(solve + at), d_c, input_precision=PREC)
+            b_o += tl.dot(tl.load(scores + at), d_c, input_precision=PREC)
+        at = rows[:, None] * NP + rows[None, :]
+        d = tl.dot(tl.load(solve + at), u, input_precision=PREC)
+        b_o += tl.dot(tl.load(scores + at), d, input_precision=PREC)
         out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-        tl.store(delta + rows[:, None] * HV * V + cv[None, :], b_d, mask=out_mask)
+        tl.store(delta + rows[:, None] * HV * V + cv[None, :], d, mask=out_mask)
         tl.store(o + rows[:, None] * HV * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=out_mask)
+        # Later blocks re-read this block's Delta, written by other threads.
         tl.debug_barrier()
 
     # Row blocks past the last real node: zeros, as documented for padding.
-    zeros = tl.zeros([BT, BV], dtype=tl.float32)
-    for r in range(tl.cdiv(n_b, BT), tl.cdiv(N, BT)):
-        rows = r * BT + rb
+    zeros = tl.zeros([SB, BV], dtype=tl.float32)
+    for r in range(tl.cdiv(n_b, SB), tl.cdiv(N, SB)):
+        rows = r * SB + tl.arange(0, SB)
         out_mask = (rows[:, None] < N) & (cv[None, :] < V)
         tl.store(delta + rows[:, None] * HV * V + cv[None, :], zeros, mask=out_mask)
         tl.store(o + rows[:, None] * HV * V + cv[None, :], zeros.to(o.dtype.element_ty), mask=out_mask)
-        tl.store(
-            k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([BT, BK], dtype=tl.float32),
-            mask=(rows[:, None] < k_rows) & (ck[None, :] < K),
-        )
 
 
 @triton.jit
@@ -364,30 +350,35 @@ def _commit_kernel(
     h = hv // GROUP
     H = HV // GROUP
     leaf = tl.load(leaves + b)
-    if leaf >= 0:
-        slot = tl.load(slots + b).to(tl.int64)
-        nodes = tl.arange(0, NP)
-        w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < N, other=0)
-        on_path = bit_is_set(w, nodes)
-        gate_sum += b * N * HV + hv
-        g_leaf = tl.load(gate_sum + leaf * HV)
-        b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
-        weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
-        ck = i_k * BK + tl.arange(0, BK)
-        cv = i_v * BV + tl.arange(0, BV)
-        b_k = tl.load(
-            k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
-            mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
-        )
-        b_d = tl.load(
-            delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
-            mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
-        )
-        ptr = state + slot * stride_ss + hv * stride_sh + ck[:, None] * stride_sk + cv[None, :] * stride_sv
-        mask = (ck[:, None] < K) & (cv[None, :] < V)
-        b_s = tl.load(ptr, mask=mask, other=0.0).to(tl.float32) * tl.exp(g_leaf.to(tl.float32))
-        b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
-        tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=mask)
+    slot = tl.load(slots + b).to(tl.int64)
+    ck = i_k * BK + tl.arange(0, BK)
+    cv = i_v * BV + tl.arange(0, BV)
+    # The state tile is loaded before the path is known: the two loads overlap.
+    ptr = state + slot * stride_ss + hv * stride_sh + ck[:, None] * stride_sk + cv[None, :] * stride_sv
+    tile = (ck[:, None] < K) & (cv[None, :] < V)
+    b_s = tl.load(ptr, mask=tile, other=0.0).to(tl.float32)
+    # Nothing accepted: no path and no store, the slot stays bit-identical.
+    n_path = tl.where(leaf >= 0, N, 0)
+    k_store = tl.where(leaf >= 0, K, 0)
+    leaf = tl.maximum(leaf, 0)
+    nodes = tl.arange(0, NP)
+    w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < n_path, other=0)
+    on_path = bit_is_set(w, nodes)
+    gate_sum += b * N * HV + hv
+    g_leaf = tl.load(gate_sum + leaf * HV)
+    b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
+    weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
+    b_k = tl.load(
+        k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
+        mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
+    )
+    b_d = tl.load(
+        delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
+        mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
+    )
+    b_s = b_s * tl.exp(g_leaf.to(tl.float32))
+    b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
+    tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=tile & (ck[:, None] < k_store))
 
 
 def verify_triton(
@@ -405,40 +396,42 @@ def verify_triton(
     block_v: int | None = None,
     num_warps: int | None = None,
 ) -> GDNTreeVerifyOutput:
-    """Launch the verify kernel (one tile for N <= 64, row blocks beyond);
-    ``block_v`` and ``num_warps`` are tuning knobs for benchmarks."""
+    """Launch the two verify kernels; ``block_v`` and ``num_warps`` (of the
+    output kernel) are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
     NP = dot_block(N)
+    SB = min(NP, MAX_SUPER_BLOCK)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
     delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
     gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
     k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)
-    args = (
-        q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
-        o, delta, gate_sum, k_normed,
-        *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
-        scale, N, HV, K, V, words.shape[-1],
+    # Workspace: only the blocks a request's own rows need are written and read.
+    solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+    scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+    common = dict(GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
+                  PREC=precision)
+    _verify_prepare_kernel[(NP // SB, B * HV)](
+        q, k, g, beta, words, meta.num_nodes,
+        gate_sum, k_normed, solve, scores,
+        *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
+        scale, N, HV, K, words.shape[-1],
+        # The interpreter's 16-bit tl.dot returns garbage (Triton 3.6); fp32 operands
+        # there give the same exact products.
+        BT=ROW_BLOCK, LOWP_QK=q.element_size() == 2 and not interpreting(), num_warps=4, **common,
     )
-    if NP <= TILE_MAX_NODES:
-        BV, warps = default_tile_config(B * HV, V)
-        BV = max(MIN_BLOCK_V, block_v or BV)
-        _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
-            *args,
-            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
-            USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=q.element_size() == 2,
-            num_warps=num_warps or warps,
-        )
-    else:
-        BV = max(MIN_BLOCK_V, block_v or default_block_v(K, V))
-        _verify_rowblock_kernel[(triton.cdiv(V, BV), B * HV)](
-            *args,
-            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BV=BV,
-            USE_L2=use_qk_l2norm, PREC=precision, num_warps=num_warps or 4,
-        )
+    BV, warps = default_output_config(B * HV, V)
+    BV = max(MIN_BLOCK_V, block_v or BV)
+    _verify_output_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, ssm_state, state_slots, meta.num_nodes,
+        gate_sum, solve, scores, o, delta,
+        *q.stride(), *k.stride(), *v.stride(), *ssm_state.stride(),
+        scale, N, HV, K, V,
+        BV=BV, num_warps=num_warps or warps, **common,
+    )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
 
 
