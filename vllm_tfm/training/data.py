@@ -1,4 +1,6 @@
-"""Training and evaluation text from Python's standard-library sources.
+"""Training and evaluation text: Python's standard-library sources (the built-in prompt
+source; a JSON-lines file of texts or random ids are the others, `prompt_windows`) and the
+target's continuations of prompts.
 
 The modules in `HELDOUT_MODULES` never reach a training batch: evaluation prompts and
 held-out losses come from them only. Everything else under the stdlib directory (tests and
@@ -17,12 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 import sysconfig
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
 from tqdm import tqdm
+
+from vllm_tfm.training.features import file_sha256
 
 # Modules held out of every training set (none is in the tokenizer's corpus either).
 HELDOUT_MODULES = (
@@ -83,26 +87,31 @@ def heldout_prompts(tokenizer, count: int, length: int, seed: int = 0) -> torch.
 
 
 class SourceWindows:
-    """Random token windows from source files, each file encoded on first use.
+    """Random token windows from documents (source files, or texts), each encoded on
+    first use.
 
-    A file is drawn with probability proportional to its byte size, then a window start
-    uniformly; files too short for the window are redrawn.
+    A document is drawn with probability proportional to its size in bytes, then a window
+    start uniformly; documents too short for the window are redrawn.
     """
 
-    def __init__(self, tokenizer, paths: Sequence[Path]):
-        if not paths:
-            raise ValueError("paths must name at least one source file")
+    def __init__(self, tokenizer, paths: Sequence[Path] = (), *, texts: Sequence[str] = ()):
+        if not paths and not texts:
+            raise ValueError("SourceWindows needs at least one source file or text")
         self.tokenizer = tokenizer
-        self.paths = list(paths)
-        self.weights = torch.tensor([float(p.stat().st_size) for p in self.paths])
+        self.documents: list[Path | str] = [*paths, *texts]
+        self.weights = torch.tensor(
+            [float(d.stat().st_size if isinstance(d, Path) else len(d.encode()))
+             for d in self.documents]
+        )
         self._ids: dict[int, torch.Tensor] = {}
 
     def encoded(self, index: int) -> torch.Tensor:
-        """Token ids of file `index`, [n] int64."""
+        """Token ids of document `index`, [n] int64."""
         if index not in self._ids:
-            text = self.paths[index].read_text(encoding="utf-8", errors="replace")
-            ids = self.tokenizer.encode(text).ids
-            self._ids[index] = torch.tensor(ids, dtype=torch.int64)
+            document = self.documents[index]
+            text = (document.read_text(encoding="utf-8", errors="replace")
+                    if isinstance(document, Path) else document)
+            self._ids[index] = torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.int64)
         return self._ids[index]
 
     def sample(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
@@ -114,7 +123,7 @@ class SourceWindows:
         while len(rows) < count:
             tries += 1
             if tries > 100 * (count + 1):
-                raise ValueError(f"no source file holds a window of {length} tokens")
+                raise ValueError(f"no document holds a window of {length} tokens")
             index = int(torch.multinomial(self.weights, 1, generator=generator))
             ids = self.encoded(index)
             if ids.numel() < length:
@@ -124,12 +133,54 @@ class SourceWindows:
         return torch.stack(rows) if rows else torch.zeros(0, length, dtype=torch.int64)
 
 
+class RandomWindows:
+    """Uniformly random token ids: prompts for throughput runs on random-weight targets."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def sample(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(0, self.vocab_size, (count, length), generator=generator)
+
+
+def read_jsonl_texts(path: str | Path) -> list[str]:
+    """The "text" field of every line of a JSON-lines file."""
+    texts = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ValueError(f"{path}:{number}: each line must be an object with a string "
+                             "field 'text'")
+        texts.append(row["text"])
+    if not texts:
+        raise ValueError(f"{path} holds no prompts")
+    return texts
+
+
+PROMPT_SOURCES = ("stdlib", "random", "<file>.jsonl")
+
+
+def prompt_windows(source: str, split: str, target_dir: str | Path, vocab_size: int):
+    """Where a split's prompts come from: "stdlib" (windows of the split's standard-library
+    modules), "random" (uniform token ids), or a JSON-lines file of {"text": ...} (windows
+    of its texts, tokenised with target_dir's tokenizer.json)."""
+    if source == "random":
+        return RandomWindows(vocab_size)
+    if source == "stdlib":
+        return SourceWindows(load_tokenizer(target_dir), stdlib_sources(split))
+    if source.endswith(".jsonl"):
+        return SourceWindows(load_tokenizer(target_dir), texts=read_jsonl_texts(source))
+    raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {source!r}")
+
+
 @dataclass(frozen=True)
 class ContinuationSpec:
-    """What a continuation set holds; part of its cache key.
+    """What a set of target continuations holds (part of a feature directory's spec).
 
     num_train / num_heldout: sequences per split; prompt_len / new_tokens: tokens of
-    stdlib prompt and of target continuation; sampled_fraction: share of training
+    prompt and of target continuation; sampled_fraction: share of training
     sequences continued by T=1 sampling (the rest greedy; held-out is all greedy).
     """
 
@@ -152,8 +203,7 @@ class ContinuationSpec:
 
 
 def add_continuation_args(parser) -> None:
-    """The options that define a continuation set (shared by the drafter tools, so
-    both read the same cache when given the same values)."""
+    """The options that define a continuation set."""
     parser.add_argument("--num-seqs", type=int, default=512, help="training sequences")
     parser.add_argument("--heldout-seqs", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -167,24 +217,6 @@ def continuation_spec(args) -> ContinuationSpec:
         num_train=args.num_seqs, num_heldout=args.heldout_seqs, prompt_len=args.prompt_len,
         new_tokens=args.new_tokens, sampled_fraction=args.sampled_fraction, seed=args.seed,
     )
-
-
-@dataclass(frozen=True)
-class Continuations:
-    """Prompt + target continuation sequences.
-
-    tokens:     [N, T] int64, T = prompt_len + new_tokens.
-    prompt_len: stdlib tokens at the start of each row; the rest was generated.
-    sampled:    [N] bool, True where the continuation is a T=1 sample, False greedy.
-    """
-
-    tokens: torch.Tensor
-    prompt_len: int
-    sampled: torch.Tensor
-
-    @property
-    def num_sequences(self) -> int:
-        return self.tokens.shape[0]
 
 
 @torch.no_grad()
@@ -210,75 +242,24 @@ def continue_prompts(
         ids = prompts[start : start + batch_size].to(device)
         draw = sampled[start : start + batch_size].to(device)
         session = target.session()
-        logits = session.extend(ids).logits[:, -1]
+        logits = target.logits(session.extend(ids).final[:, -1])
         out = [ids]
         for _ in range(new_tokens):
             greedy = logits.argmax(-1)
             drawn = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=generator)
             token = torch.where(draw, drawn[:, 0], greedy)
             out.append(token[:, None])
-            logits = session.extend(token[:, None]).logits[:, -1]
+            logits = target.logits(session.extend(token[:, None]).final[:, -1])
         rows.append(torch.cat(out, 1).cpu())
     return torch.cat(rows) if rows else prompts.new_zeros(0, prompts.shape[1] + new_tokens)
 
 
-def target_digest(target_dir: str | Path) -> str:
-    """sha256 over the target's config and weight files: the continuation cache key."""
+def target_digest(target_dir: str | Path, weights: bool = True) -> str:
+    """sha256 over the target's config and (`weights`) weight files: the key of anything
+    derived from the target."""
     digest = hashlib.sha256()
     root = Path(target_dir)
-    for path in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
+    paths = sorted(root.glob("*.safetensors")) if weights else []
+    for path in paths + [root / "config.json"]:
+        digest.update(f"{path.name}:{file_sha256(path)}".encode())
     return digest.hexdigest()
-
-
-def build_continuations(target, tokenizer, spec: ContinuationSpec) -> dict[str, Continuations]:
-    """Generate both splits: prompts are windows of the split's modules."""
-    out = {}
-    for split, count in (("train", spec.num_train), ("heldout", spec.num_heldout)):
-        seed = spec.seed * 2 + (split == "heldout")
-        generator = torch.Generator().manual_seed(seed)
-        prompts = SourceWindows(tokenizer, stdlib_sources(split)).sample(
-            count, spec.prompt_len, generator
-        )
-        sampled = torch.zeros(count, dtype=torch.bool)
-        if split == "train":
-            sampled[: round(count * spec.sampled_fraction)] = True
-            sampled = sampled[torch.randperm(count, generator=generator)]
-        device_gen = torch.Generator(device=target.device).manual_seed(seed)
-        tokens = continue_prompts(
-            target, prompts, spec.new_tokens, sampled, device_gen, desc=f"generate {split}"
-        )
-        out[split] = Continuations(tokens=tokens, prompt_len=spec.prompt_len, sampled=sampled)
-    return out
-
-
-def load_or_build_continuations(
-    path: str | Path, target, target_dir: str | Path, spec: ContinuationSpec
-) -> dict[str, Continuations]:
-    """The continuation sets cached at `path` when they were built for the same target
-    bytes and spec; otherwise build them and write `path` (torch.save, read back with
-    weights_only=True)."""
-    path = Path(path)
-    key = {"spec": asdict(spec), "target": target_digest(target_dir)}
-    if path.is_file():
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-        if json.loads(payload["key"]) == key:
-            return {
-                split: Continuations(
-                    tokens=payload[f"{split}_tokens"],
-                    prompt_len=spec.prompt_len,
-                    sampled=payload[f"{split}_sampled"],
-                )
-                for split in SPLITS
-            }
-    sets = build_continuations(target, load_tokenizer(target_dir), spec)
-    payload = {"key": json.dumps(key, sort_keys=True)}
-    for split, data in sets.items():
-        payload[f"{split}_tokens"] = data.tokens
-        payload[f"{split}_sampled"] = data.sampled
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(payload, tmp)
-    tmp.replace(path)
-    return sets

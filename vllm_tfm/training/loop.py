@@ -1,33 +1,57 @@
-"""Training-loop plumbing shared by the tools: device, optimiser, checkpoints, per-step RNG."""
+"""Training-loop plumbing shared by the commands: options, device and processes (torchrun),
+optimiser, checkpoints, per-step RNG, and the loop itself (`train`).
+
+One process or many: under `torchrun --nproc_per_node N` every process runs the same
+command; `setup_runtime` joins the process group (NCCL on CUDA, gloo on CPU) and the
+objective is wrapped in torch's DistributedDataParallel. Each step draws ONE global batch
+from (seed, step) alone; it is cut into world x accumulate equal parts, process r taking
+parts r, r + world, ..., so any number of processes and accumulation steps average the
+same examples into the same gradient (the mean of equal-size part means is the global
+mean): results agree with a one-process run up to the order of the reductions.
+"""
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import json
 import math
+import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from tqdm import tqdm
 
 
 def add_run_args(parser: argparse.ArgumentParser, *, steps: int, lr: float,
-                 weight_decay: float, warmup: int, save_every: int) -> None:
-    """The options every training tool shares: schedule, evaluation, device, seed."""
+                 weight_decay: float, warmup: int, save_every: int, batch: int) -> None:
+    """The options every training command shares: schedule, batch, evaluation, resumable
+    state, device, seed."""
     parser.add_argument("--steps", type=int, default=steps)
     parser.add_argument("--lr", type=float, default=lr)
     parser.add_argument("--weight-decay", type=float, default=weight_decay)
     parser.add_argument("--warmup", type=int, default=warmup)
+    parser.add_argument("--batch", type=int, default=batch,
+                        help="global batch per optimiser step (all processes together)")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="micro-batches per process per step (gradient accumulation)")
     parser.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
     parser.add_argument("--save-every", type=int, default=save_every)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+    parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
+    add_device_args(parser)
     parser.add_argument("--seed", type=int, default=0)
+
+
+def add_device_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda[:i]")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
 
 
 def fill_family_defaults(args: argparse.Namespace, *, trained: bool = False,
@@ -69,6 +93,59 @@ def setup_device(name: str, threads: int) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class Runtime:
+    """This process's place in the run: its device, rank and the number of processes."""
+
+    device: torch.device
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def frozen_dtype(self) -> torch.dtype:
+        """The dtype of frozen weights (target embedding and LM head): bf16 on CUDA, where
+        the trained modules run under bf16 autocast anyway, fp32 on CPU."""
+        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+
+    def autocast(self):
+        """bf16 autocast on CUDA (fp32 master weights); CPU runs stay fp32."""
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` averaged over the processes."""
+        if self.world > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)
+            values = values / self.world
+        return values
+
+
+def setup_runtime(device: str, threads: int) -> Runtime:
+    """The device (`setup_device`) and, under torchrun (WORLD_SIZE > 1), the process
+    group: NCCL with one GPU per process (cuda:LOCAL_RANK) on CUDA, gloo on CPU."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    resolved = setup_device(device, threads)
+    if world == 1:
+        return Runtime(resolved)
+    if resolved.type == "cuda":
+        resolved = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(resolved)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if resolved.type == "cuda" else "gloo")
+        atexit.register(dist.destroy_process_group)
+    return Runtime(resolved, dist.get_rank(), dist.get_world_size())
+
+
 def make_optimizer(params, lr: float, weight_decay: float, warmup: int, total_steps: int):
     """AdamW (betas 0.9 / 0.95) with linear warm-up over `warmup` steps, then a cosine
     decay to 10% of `lr` at `total_steps`."""
@@ -87,11 +164,17 @@ def make_optimizer(params, lr: float, weight_decay: float, warmup: int, total_st
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def seeded_generator(*keys: Any) -> torch.Generator:
+    """A CPU generator that depends on `keys` only (their str forms, in order)."""
+    digest = hashlib.sha256(":".join(str(k) for k in keys).encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
 def step_generator(seed: int, step: int) -> torch.Generator:
     """A CPU generator for one training step: batches depend on (seed, step) only, so a
-    resumed run draws exactly the batches the uninterrupted run would have."""
-    digest = hashlib.sha256(f"{seed}:{step}".encode()).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    resumed run (or a run on another number of processes) draws exactly the batches the
+    uninterrupted one-process run would have."""
+    return seeded_generator(seed, step)
 
 
 class Checkpoint:
@@ -111,18 +194,19 @@ class Checkpoint:
             "modules": {name: module.state_dict() for name, module in modules.items()},
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
-            "extra": extra or {},
+            "extra": json.dumps(extra or {}),
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
         torch.save(payload, tmp)
         tmp.replace(self.path)
 
-    def restore(self, modules: dict[str, nn.Module], optimizer, scheduler) -> int:
-        """Load the saved state into the given objects; returns the saved step (0 if no
-        checkpoint file exists)."""
+    def restore(self, modules: dict[str, nn.Module], optimizer,
+                scheduler) -> tuple[int, dict[str, Any]]:
+        """Load the saved state into the given objects; returns the saved step and
+        `extra` ((0, {}) if no checkpoint file exists)."""
         if not self.path.is_file():
-            return 0
+            return 0, {}
         payload = torch.load(self.path, map_location="cpu", weights_only=True)
         missing = sorted(set(modules) - set(payload["modules"]))
         if missing:
@@ -131,75 +215,172 @@ class Checkpoint:
             module.load_state_dict(payload["modules"][name])
         optimizer.load_state_dict(payload["optimizer"])
         scheduler.load_state_dict(payload["scheduler"])
-        return int(payload["step"])
+        return int(payload["step"]), json.loads(payload["extra"])
 
 
-def default_checkpoint(out: str | Path) -> Path:
-    """`<out>.ckpt` beside the output (never inside a model directory that vLLM reads)."""
+def sibling(out: str | Path, suffix: str) -> Path:
+    """`<out><suffix>` beside the output (never inside a model directory vLLM reads)."""
     out = Path(out)
-    return out.with_name(out.name + ".ckpt")
+    return out.with_name(out.name + suffix)
+
+
+@dataclass
+class Job:
+    """What a training command hands `train`.
+
+    name: progress label and the model's key in the checkpoint.
+    model: the trained module (its parameters are optimised and checkpointed).
+    objective: a module holding `model` whose forward(part) returns (loss, shown): the
+        mean loss over a batch part and scalar tensors for the progress bar.
+    sample: step -> the step's global batch, a dict of CPU tensors whose first dimension
+        is --batch (drawn from `step_generator`).
+    evaluate: step -> held-out estimates (a JSON-able dict); main process only.
+    export: step -> write the model's output files; main process only.
+    """
+
+    name: str
+    model: nn.Module
+    objective: nn.Module
+    sample: Callable[[int], dict[str, torch.Tensor]]
+    evaluate: Callable[[int], dict]
+    export: Callable[[int], None]
 
 
 @dataclass
 class TrainingRun:
-    """What `run_training` did: the last step, the last training loss, the seconds spent
-    in the loop and the evaluations made (each a dict with its "step")."""
+    """What `train` did: the last step, the last training loss, the seconds spent in the
+    loop, the evaluations (each a dict with its "step") and [step, loss] per step."""
 
     step: int
     train_loss: float
     seconds: float
     history: list[dict] = field(default_factory=list)
+    losses: list[list[float]] = field(default_factory=list)
+
+    def summary(self, **fields) -> dict:
+        return {**fields, "step": self.step, "train_loss": self.train_loss,
+                "seconds": self.seconds, "history": self.history}
 
 
-def run_training(
-    *,
-    params,
-    optimizer,
-    scheduler,
-    start: int,
-    steps: int,
-    loss_at: Callable[[int], tuple[torch.Tensor, dict[str, float]]],
-    evaluate: Callable[[int], dict],
-    save: Callable[[int], None],
-    eval_every: int,
-    save_every: int,
-    desc: str,
-) -> TrainingRun:
-    """The loop every training tool runs, from step `start` to `steps`.
+def _parts(batch: dict[str, torch.Tensor], total: int, runtime: Runtime, accumulate: int):
+    """This process's `accumulate` micro-batches of the global batch (see module doc)."""
+    size = total // (runtime.world * accumulate)
+    for micro in range(accumulate):
+        start = (micro * runtime.world + runtime.rank) * size
+        yield {name: value[start : start + size] for name, value in batch.items()}
 
-    Each step: `loss_at(step)` gives the loss and values for the progress bar; backward,
-    gradient norm clipped to 1 over `params`, optimiser and schedule step. `evaluate(step)`
-    runs before a fresh run (start 0), every `eval_every` steps (0: never) and at the end,
-    its result printed as one JSON line; `save(step)` every `save_every` steps and at the
-    end.
+
+def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path) -> TrainingRun:
+    """Run `job` from its checkpoint (or step 0) to --steps.
+
+    Each step: the global batch, its parts through the (DDP-wrapped) objective under
+    `runtime.autocast`, backward of loss / accumulate (DDP averages over processes), the
+    gradient norm clipped to 1, optimiser and schedule step. `evaluate` runs before a
+    fresh run, every --eval-every steps (0: never) and at the end, printed as one JSON
+    line; every --save-every steps and at the end: `export`, the checkpoint
+    (`--checkpoint`, default <out>.ckpt), and the curves: <out>.training.json and
+    <out>.training.png (loss and held-out estimates over steps).
     """
-    params = list(params)
-    history = []
+    parts = runtime.world * args.accumulate
+    if args.batch < 1 or args.accumulate < 1 or args.batch % parts:
+        raise ValueError(
+            f"--batch ({args.batch}) must be a positive multiple of processes "
+            f"({runtime.world}) x --accumulate ({args.accumulate})"
+        )
+    params = [p for p in job.model.parameters() if p.requires_grad]
+    optimizer, scheduler = make_optimizer(params, args.lr, args.weight_decay, args.warmup,
+                                          args.steps)
+    checkpoint = Checkpoint(args.checkpoint or sibling(out, ".ckpt"))
+    start, extra = checkpoint.restore({job.name: job.model}, optimizer, scheduler)
+    run = TrainingRun(start, float("nan"), 0.0, extra.get("history", []),
+                      extra.get("losses", []))
+    objective = job.objective
+    if runtime.world > 1:
+        ids = [runtime.device.index] if runtime.device.type == "cuda" else None
+        objective = nn.parallel.DistributedDataParallel(job.objective, device_ids=ids)
 
     def record(step: int) -> None:
-        history.append(evaluate(step))
-        tqdm.write(json.dumps(history[-1]))
+        if runtime.is_main:
+            with runtime.autocast():
+                run.history.append(job.evaluate(step))
+            tqdm.write(json.dumps(run.history[-1]))
+        runtime.barrier()
+
+    def save(step: int) -> None:
+        if runtime.is_main:
+            job.export(step)
+            checkpoint.save(step, {job.name: job.model}, optimizer, scheduler,
+                            {"history": run.history, "losses": run.losses})
+            write_curves(out, run.history, run.losses)
+        runtime.barrier()
 
     if start == 0:
         record(0)
     started = time.perf_counter()
-    bar = tqdm(total=steps, initial=start, desc=desc)
-    loss = torch.tensor(float("nan"))
+    bar = tqdm(total=args.steps, initial=start, desc=f"train {job.name}",
+               disable=not runtime.is_main)
     step = start
-    while step < steps:
-        loss, shown = loss_at(step)
+    while step < args.steps:
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        tally = None
+        micro_batches = list(_parts(job.sample(step), args.batch, runtime, args.accumulate))
+        for index, part in enumerate(micro_batches):
+            last = index == len(micro_batches) - 1
+            sync = nullcontext() if last or runtime.world == 1 else objective.no_sync()
+            with sync:
+                with runtime.autocast():
+                    loss, shown = objective(part)
+                (loss / args.accumulate).backward()
+            values = torch.stack([loss.detach().float(), *(v.detach().float().reshape(())
+                                                          for v in shown.values())])
+            tally = values if tally is None else tally + values
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
         step += 1
+        means = runtime.mean(tally / args.accumulate).tolist()
+        run.losses.append([step, means[0]])
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", **{k: f"{v:.3f}" for k, v in shown.items()})
-        finished = step == steps
-        if finished or (eval_every and step % eval_every == 0):
+        bar.set_postfix(loss=f"{means[0]:.3f}",
+                        **{k: f"{v:.3f}" for k, v in zip(shown, means[1:])})
+        finished = step == args.steps
+        if finished or (args.eval_every and step % args.eval_every == 0):
             record(step)
-        if finished or (save_every and step % save_every == 0):
+        if finished or (args.save_every and step % args.save_every == 0):
             save(step)
     bar.close()
-    return TrainingRun(step, loss.item(), time.perf_counter() - started, history)
+    run.step = step
+    run.train_loss = run.losses[-1][1] if run.losses else float("nan")
+    run.seconds = time.perf_counter() - started
+    return run
+
+
+def write_curves(out: str | Path, history: list[dict], losses: list[list[float]]) -> None:
+    """<out>.training.json (both lists) and <out>.training.png: training loss per step
+    with the held-out losses, and the held-out acceptance estimates (tau, alpha)."""
+    sibling(out, ".training.json").write_text(
+        json.dumps({"history": history, "losses": losses}) + "\n", encoding="utf-8")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    if losses:
+        steps, values = zip(*losses)
+        left.plot(steps, values, lw=0.8, label="train loss")
+    numeric = sorted({key for row in history for key, value in row.items()
+                      if key != "step" and isinstance(value, (int, float))})
+    for key in numeric:
+        points = [(row["step"], row[key]) for row in history if key in row]
+        axis = right if ("tau" in key or "alpha" in key) else left
+        axis.plot(*zip(*points), marker="o", label=key)
+    left.set(xlabel="step", ylabel="loss", title="loss")
+    right.set(xlabel="step", title="held-out acceptance estimates")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(sibling(out, ".training.png"), dpi=100)
+    plt.close(fig)

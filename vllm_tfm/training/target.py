@@ -1,8 +1,10 @@
 """The target model through transformers: features for training, exact scoring for evaluation.
 
 transformers runs Qwen3-Next's GDN layers through fla whenever fla imports, on any device;
-on a CPU that fails (Triton has no CPU driver) and on a GPU without fla it is not there, so
-`load_causal_lm` hides fla first and transformers takes its PyTorch fallback everywhere.
+on a CPU that fails (Triton has no CPU driver), so by default `load_causal_lm` hides fla
+first and transformers takes its PyTorch fallback. `fla=True` (CUDA, feature generation
+at real sizes) keeps fla's kernels; one process cannot have both, since transformers binds
+the kernels when its GDN modules are imported.
 
 Layer features follow vLLM's DFlash convention: `target_layer_ids` name decoder layers
 whose OUTPUT (the residual stream after the layer) conditions the drafter; "final" is the
@@ -20,6 +22,8 @@ from typing import Sequence
 
 import torch
 from tqdm import tqdm
+
+from vllm_tfm.training.features import TargetHead, lm_head_logits
 
 
 # transformers binds each GDN layer's kernels (fla or its PyTorch fallback) when
@@ -42,16 +46,39 @@ def hide_fla() -> None:
             importlib.reload(sys.modules[name])
 
 
+def use_fla() -> None:
+    """Make sure transformers binds fla's GDN kernels (raises if they cannot be had)."""
+    if sys.modules.get("fla", 0) is None:
+        raise ValueError("fla was hidden earlier in this process (a CPU target was loaded): "
+                         "run fla=True targets in a process of their own")
+    try:
+        importlib.import_module("fla")
+    except ImportError as error:
+        raise ValueError(f"fla=True needs flash-linear-attention importable: {error}") from None
+
+
 def load_causal_lm(path: str | Path, device: torch.device | str = "cpu",
-                   dtype: torch.dtype = torch.float32):
-    """A transformers causal LM from a local directory (fla hidden), on `device` in `dtype`."""
-    hide_fla()
-    from transformers import AutoModelForCausalLM
+                   dtype: torch.dtype = torch.float32, *, fla: bool = False,
+                   random_weights: bool = False, seed: int = 0):
+    """A transformers causal LM from a local directory, on `device` in `dtype`.
+
+    fla: keep fla's GDN kernels (CUDA) instead of hiding them. random_weights: build the
+    directory's config with transformers' initialisation seeded by `seed` (no weight
+    files read: throughput at a real model's shapes).
+    """
+    use_fla() if fla else hide_fla()
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"target path {str(path)!r} is not a model directory (no config.json)")
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-    return model.to(device)
+    if not random_weights:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype,
+                                                     local_files_only=True)
+        return model.to(device)
+    config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 @dataclass
@@ -59,14 +86,20 @@ class TargetOutput:
     """One target forward over [B, S] tokens.
 
     final:  [B, S, d] final-norm hidden states.
-    logits: [B, S, V] float32 LM-head logits.
     aux:    [B, S, n * d] outputs of the requested layers, concatenated in request
             order; None when no layer was requested.
+    lm_head: [V, d] the target's LM head (`logits` are computed when read: [B, S, V]
+            float32 is far larger than the states at a real vocabulary).
     """
 
     final: torch.Tensor
-    logits: torch.Tensor
     aux: torch.Tensor | None
+    lm_head: torch.Tensor
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """[B, S, V] float32 LM-head logits."""
+        return lm_head_logits(self.final, self.lm_head)
 
 
 class Target:
@@ -78,9 +111,11 @@ class Target:
     """
 
     def __init__(self, path: str | Path, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, **load_options):
+        """`load_options`: `load_causal_lm`'s fla, random_weights, seed."""
         self.path = Path(path)
-        self.model = load_causal_lm(path, device, dtype).eval().requires_grad_(False)
+        model = load_causal_lm(path, device, dtype, **load_options)
+        self.model = model.eval().requires_grad_(False)
         self.config = self.model.config
         self.embed = self.model.get_input_embeddings().weight
         self.lm_head = self.model.get_output_embeddings().weight
@@ -143,11 +178,15 @@ class Target:
             captured, self._wanted, self._captured = self._captured, (), {}
         final = out.last_hidden_state
         aux = torch.cat([captured[i] for i in wanted], -1) if wanted else None
-        return TargetOutput(final=final, logits=self.logits(final), aux=aux)
+        return TargetOutput(final=final, aux=aux, lm_head=self.lm_head)
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """float32 LM-head logits of final-norm states [..., d] -> [..., V]."""
-        return (final @ self.lm_head.T).float()
+        return lm_head_logits(final, self.lm_head)
+
+    def head(self) -> TargetHead:
+        """The embedding and LM head alone (what `features.write_head` stores)."""
+        return TargetHead(embed=self.embed, lm_head=self.lm_head)
 
     @torch.no_grad()
     def features(self, tokens: torch.Tensor, layer_ids: Sequence[int],

@@ -1,7 +1,7 @@
-"""Train the tiny family end to end: target, DFlash drafter, Weaver; write it with a manifest.
+"""Train the tiny family end to end: target, features, DFlash drafter, Weaver; a manifest.
 
-    python tools/train_family.py --out models/tiny_trained [--stages target dflash weaver \
-        manifest] [--work artifacts/train_family] [--base DIR] [--device auto|cpu|cuda]
+    python tools/train_family.py --out models/tiny_trained [--stages target features \
+        dflash weaver manifest] [--work artifacts/train_family] [--base DIR] [--device auto]
 
 The recipe of the committed family (models/tiny_trained, see its README). Each stage runs
 one training tool with the recipe's arguments (`recipe`), resumable through the tool's
@@ -10,9 +10,11 @@ checkpoint in --work:
   target   tools/train_target.py: the tiny family's Qwen3-Next config and tokenizer (from
            --base/target), fresh initialisation, next-token loss on the standard library's
            training modules.
-  dflash   tools/train_dflash.py against the trained target, starting from --base/dflash
-           (the family's drafter config), on target-generated continuations.
-  weaver   tools/train_weaver.py against the trained target and drafter, same data.
+  features tools/generate_features.py: the trained target's continuations of standard-
+           library prompts and its features (the drafter's layers), in --work/features.
+  dflash   tools/train_dflash.py on those features, starting from --base/dflash (the
+           family's drafter config).
+  weaver   tools/train_weaver.py on the same features and the trained drafter.
   manifest out/manifest.json: sha256 of every file, the recipe, the software, the data split.
 
 --base defaults to the tiny family built on this machine (vllm_tfm/tiny/family.py); give a
@@ -38,14 +40,14 @@ import torch
 from vllm_tfm.tiny import family as tiny_family
 from vllm_tfm.training import data
 
-STAGES = ("target", "dflash", "weaver", "manifest")
+STAGES = ("target", "features", "dflash", "weaver", "manifest")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="family directory to write")
     parser.add_argument("--work", default="artifacts/train_family",
-                        help="checkpoints and the continuation cache")
+                        help="checkpoints and the features")
     parser.add_argument("--base", help="tiny family directory with target/ and dflash/ "
                         "(default: built by vllm_tfm/tiny/family.py)")
     parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=STAGES)
@@ -59,8 +61,7 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool) -> dict[
     def size(full: int, small: int) -> str:
         return str(small if smoke else full)
 
-    data_args = ["--data", str(work / "continuations.pt"), "--num-seqs", size(8192, 8),
-                 "--heldout-seqs", size(64, 4)]
+    features = str(work / "features")
     return {
         "target": [
             "--config", str(base / "target"), "--out", str(out / "target"),
@@ -68,20 +69,29 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool) -> dict[
             "--batch", size(64, 2), "--seq-len", size(256, 32), "--eval-batches", size(4, 1),
             "--eval-every", "500", "--save-every", "500", "--device", device,
         ],
+        "features": [
+            "--target", str(out / "target"), "--dflash", str(base / "dflash"),
+            "--out", features, "--num-seqs", size(8192, 8), "--heldout-seqs", size(64, 4),
+            "--shard-seqs", size(1024, 4), "--batch", size(1024, 4), "--device", device,
+        ],
         "dflash": [
-            "--target", str(out / "target"), "--init", str(base / "dflash"),
+            "--features", features, "--init", str(base / "dflash"),
             "--out", str(out / "dflash"), "--checkpoint", str(work / "dflash.ckpt"),
-            *data_args, "--steps", size(6000, 2), "--lr", "2e-3", "--batch", size(64, 2),
+            "--steps", size(6000, 2), "--lr", "2e-3", "--batch", size(64, 2),
             "--eval-every", "1000", "--save-every", "1000", "--device", device,
         ],
         "weaver": [
-            "--target", str(out / "target"), "--dflash", str(out / "dflash"),
+            "--features", features, "--dflash", str(out / "dflash"),
             "--out", str(out / "weaver"), "--public-out", str(work / "weaver.pth"),
-            "--checkpoint", str(work / "weaver.ckpt"), *data_args,
+            "--checkpoint", str(work / "weaver.ckpt"),
             "--steps", size(2000, 2), "--batch", size(64, 2), "--eval-budget", size(64, 8),
             "--eval-every", "1000", "--save-every", "500", "--device", device,
         ],
     }
+
+
+def stage_module(stage: str) -> str:
+    return "generate_features" if stage == "features" else f"train_{stage}"
 
 
 def data_split() -> dict:
@@ -103,7 +113,7 @@ def write_manifest(out: Path, stages: dict[str, list[str]], results: dict) -> di
 
     manifest = {
         "files": tiny_family.file_digests(out),
-        "recipe": {name: shlex.join(["python", f"tools/train_{name}.py", *args])
+        "recipe": {name: shlex.join(["python", f"tools/{stage_module(name)}.py", *args])
                    for name, args in stages.items()},
         "results": results,
         "software": {
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict:
     for name in args.stages:
         if name == "manifest":
             return write_manifest(out, stages, results)
-        tool = importlib.import_module(f"vllm_tfm.training.train_{name}")
+        tool = importlib.import_module(f"vllm_tfm.training.{stage_module(name)}")
         summary = tool.main(stages[name])
         results[name] = {k: v for k, v in summary.items() if k not in ("out", "public_out")}
         work.mkdir(parents=True, exist_ok=True)

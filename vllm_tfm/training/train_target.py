@@ -10,7 +10,7 @@ model to the engine, peaky logits of std 8 included: as a starting point its los
 ~40 nats.) Minimises next-token cross-entropy on random token windows of the training
 modules (vllm_tfm/training/data.py); held-out modules give the eval loss.
 transformers runs the model (PyTorch GDN path; fla hidden), fp32 weights, bf16 autocast
-on CUDA. AdamW, warm-up + cosine. Writes a transformers model directory in bf16 with the
+on CUDA; several processes through torchrun (vllm_tfm/training/loop.py). AdamW, warm-up + cosine. Writes a transformers model directory in bf16 with the
 --config's tokenizer files (what tiny_family's target directory holds); resumable state in
 `<out>.ckpt`. On this CPU only smoke runs fit; the real run is meant for one GPU (about
 20 minutes).
@@ -22,24 +22,22 @@ import argparse
 import copy
 import json
 import shutil
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from vllm_tfm.training import data
 from vllm_tfm.training.loop import (
-    Checkpoint,
+    Job,
     add_run_args,
-    default_checkpoint,
     fill_family_defaults,
-    make_optimizer,
-    run_training,
-    setup_device,
+    setup_runtime,
     step_generator,
+    train,
 )
-from vllm_tfm.training.target import hide_fla, load_causal_lm
+from vllm_tfm.training.target import load_causal_lm
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -51,19 +49,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "used (default: the tiny family's target)")
     parser.add_argument("--init", help="model directory whose weights to start from "
                         "(default: a fresh initialisation)")
-    parser.add_argument("--checkpoint", help="resumable state (default: <out>.ckpt)")
-    parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-batches", type=int, default=4)
-    add_run_args(parser, steps=3000, lr=3e-3, weight_decay=0.1, warmup=100, save_every=500)
+    add_run_args(parser, steps=3000, lr=3e-3, weight_decay=0.1, warmup=100, save_every=500,
+                 batch=64)
     return parser.parse_args(argv)
 
 
-def lm_loss(model, ids: torch.Tensor, autocast) -> torch.Tensor:
-    """Mean next-token cross-entropy of [B, S] windows."""
-    with autocast():
-        logits = model(input_ids=ids[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
+class NextTokenObjective(nn.Module):
+    """Mean next-token cross-entropy of a batch part {"ids": [B, S + 1] windows}."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, part: dict[str, torch.Tensor]):
+        ids = part["ids"].to(self.model.device)
+        logits = self.model(input_ids=ids[:, :-1]).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()), {}
 
 
 def initial_model(config_dir: Path, init: Path | None, seed: int, device: torch.device):
@@ -71,12 +74,8 @@ def initial_model(config_dir: Path, init: Path | None, seed: int, device: torch.
     of `config_dir`'s config."""
     if init is not None:
         return load_causal_lm(init, device, torch.float32).train()
-    hide_fla()
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(str(config_dir), local_files_only=True)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    return load_causal_lm(config_dir, device, torch.float32, random_weights=True,
+                          seed=seed).train()
 
 
 def save_model(model, config_dir: Path, out: Path) -> None:
@@ -93,49 +92,31 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     fill_family_defaults(args, config="target")
     config_dir, out = Path(args.config), Path(args.out)
-    device = setup_device(args.device, args.threads)
-    model = initial_model(config_dir, args.init and Path(args.init), args.seed, device)
+    runtime = setup_runtime(args.device, args.threads)
+    model = initial_model(config_dir, args.init and Path(args.init), args.seed, runtime.device)
     tokenizer = data.load_tokenizer(config_dir)
     windows = data.SourceWindows(tokenizer, data.stdlib_sources("train"))
     held = data.SourceWindows(tokenizer, data.stdlib_sources("heldout")).sample(
         args.eval_batches * args.batch, args.seq_len + 1, step_generator(args.seed, -1)
     )
-    if device.type == "cuda":
-        def autocast():
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-    else:
-        autocast = nullcontext
-
-    optimizer, scheduler = make_optimizer(
-        model.parameters(), args.lr, args.weight_decay, args.warmup, args.steps
-    )
-    checkpoint = Checkpoint(args.checkpoint or default_checkpoint(out))
-    step = checkpoint.restore({"target": model}, optimizer, scheduler)
+    objective = NextTokenObjective(model)
 
     def evaluate(step: int) -> dict:
         model.eval()
         with torch.no_grad():
-            losses = [lm_loss(model, batch.to(device), autocast).item()
-                      for batch in held.split(args.batch)]
+            losses = [objective({"ids": batch})[0].item() for batch in held.split(args.batch)]
         model.train()
         return {"step": step, "heldout_loss": sum(losses) / len(losses)}
 
-    def loss_at(step: int):
-        ids = windows.sample(args.batch, args.seq_len + 1, step_generator(args.seed, step))
-        return lm_loss(model, ids.to(device), autocast), {}
+    def sample(step: int) -> dict[str, torch.Tensor]:
+        return {"ids": windows.sample(args.batch, args.seq_len + 1,
+                                      step_generator(args.seed, step))}
 
-    def save(step: int) -> None:
-        save_model(model, config_dir, out)
-        checkpoint.save(step, {"target": model}, optimizer, scheduler)
-
-    run = run_training(
-        params=model.parameters(), optimizer=optimizer, scheduler=scheduler, start=step,
-        steps=args.steps, loss_at=loss_at, evaluate=evaluate, save=save,
-        eval_every=args.eval_every, save_every=args.save_every, desc="train target",
-    )
-    summary = {"out": str(out), "step": run.step, "train_loss": run.train_loss,
-               "seconds": run.seconds, "history": run.history}
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    job = Job(name="target", model=model, objective=objective, sample=sample,
+              evaluate=evaluate, export=lambda step: save_model(model, config_dir, out))
+    summary = train(args, runtime, job, out).summary(out=str(out))
+    if runtime.is_main:
+        print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
     return summary
 
 
