@@ -105,3 +105,124 @@ def draft_trees(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
         validate=validate, backend=backend,
     )
+
+
+class DraftRound:
+    """One draft round of fixed shapes, replayed as a CUDA graph on CUDA devices.
+
+    Built for one (tree kind, batch bucket, D, P, budget), as vLLM captures one
+    decode graph per batch-size bucket. A call copies the round's inputs into
+    static buffers, replays the captured :func:`draft_trees` (no host read, no
+    allocation) and returns copies of the bucket's first rows; a call with
+    fewer requests than the bucket leaves the other rows' buffers as they were
+    (every op is per request, so they never touch the real rows). Off CUDA, or
+    with ``graph=False``, the same buffers run :func:`draft_trees` eagerly.
+
+    Args:
+        tree, budget, weaver, fanout, expand_width, backend: as in
+            :func:`draft_trees`; the Weaver's tables must be prepared.
+        batch: the bucket's request count; depth, pool_size: D and P of the pools.
+        device: where the round runs; d_model (tree "weaver"): the width of
+            h_v and the DFlash states, the Weaver's.
+    """
+
+    def __init__(
+        self,
+        tree: str,
+        batch: int,
+        depth: int,
+        pool_size: int,
+        budget: int,
+        *,
+        device: torch.device | str,
+        weaver: Weaver | None = None,
+        fanout: int = DEFAULT_FANOUT,
+        expand_width: int | None = None,
+        backend: str = "auto",
+        graph: bool = True,
+    ):
+        if tree not in TREE_KINDS:
+            raise ValueError(f"tree must be one of {list(TREE_KINDS)}, got {tree!r}")
+        if tree == "weaver" and weaver is None:
+            raise ValueError("tree 'weaver' needs weaver")
+        for name, value in (("batch", batch), ("depth", depth), ("pool_size", pool_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        device = torch.device(device)
+        self.tree, self.batch, self.budget = tree, batch, budget
+        self.weaver, self.fanout, self.expand_width = weaver, fanout, expand_width
+        self.backend = backend
+        # Valid placeholder inputs: distinct pool ids and finite scores per row.
+        ids = torch.arange(pool_size, device=device).expand(batch, depth, -1).contiguous()
+        self.pools = CandidatePools(ids, torch.zeros(batch, depth, pool_size, device=device))
+        self.root_tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+        self.h_v = self.dflash_hidden = None
+        if weaver is not None:
+            width = weaver.config.d_model
+            self.h_v = torch.zeros(batch, width, dtype=weaver.dtype, device=device)
+            self.dflash_hidden = torch.zeros(batch, depth, width, dtype=weaver.dtype,
+                                             device=device)
+        self.graph = None
+        self.output = None
+        if graph and device.type == "cuda":
+            self._capture()
+
+    def _run(self) -> DraftTree:
+        with torch.no_grad():
+            return draft_trees(
+                self.tree, self.root_tokens, self.pools, self.budget, weaver=self.weaver,
+                h_v=self.h_v, dflash_hidden=self.dflash_hidden, fanout=self.fanout,
+                expand_width=self.expand_width, validate=False, backend=self.backend,
+            )
+
+    def _capture(self) -> None:
+        # Warm up on a side stream first: Triton compiles and cuBLAS picks its
+        # workspaces outside the capture.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._run()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.output = self._run()
+
+    def __call__(
+        self,
+        root_tokens: torch.Tensor,
+        pools: CandidatePools,
+        h_v: torch.Tensor | None = None,
+        dflash_hidden: torch.Tensor | None = None,
+    ) -> DraftTree:
+        """The trees of ``n <= batch`` requests; inputs as in :func:`draft_trees`
+        with the bucket's D and P (h_v and dflash_hidden for tree "weaver")."""
+        n = root_tokens.shape[0]
+        if not 1 <= n <= self.batch:
+            raise ValueError(f"root_tokens holds {n} requests; this round takes 1..{self.batch}")
+        expected = (n, *self.pools.ids.shape[1:])
+        if tuple(pools.ids.shape) != expected or tuple(pools.scores.shape) != expected:
+            raise ValueError(f"pools must be [n, D, P] = {list(expected)}, got ids "
+                             f"{list(pools.ids.shape)} and scores {list(pools.scores.shape)}")
+        self.root_tokens[:n] = root_tokens
+        self.pools.ids[:n] = pools.ids
+        self.pools.scores[:n] = pools.scores
+        if self.weaver is not None:
+            if h_v is None or dflash_hidden is None:
+                raise ValueError("tree 'weaver' needs h_v and dflash_hidden")
+            if h_v.shape != (n, *self.h_v.shape[1:]) or dflash_hidden.shape != (
+                n, *self.dflash_hidden.shape[1:]
+            ):
+                raise ValueError(
+                    f"h_v must be {[n, *self.h_v.shape[1:]]} and dflash_hidden "
+                    f"{[n, *self.dflash_hidden.shape[1:]]}, got {list(h_v.shape)} and "
+                    f"{list(dflash_hidden.shape)}"
+                )
+            self.h_v[:n] = h_v
+            self.dflash_hidden[:n] = dflash_hidden
+        if self.graph is None:
+            trees = self._run()
+        else:
+            self.graph.replay()
+            trees = self.output
+        return trees.select(torch.arange(n, device=trees.tokens.device))
