@@ -46,6 +46,7 @@ import os
 import shutil
 import sysconfig
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_family"
 # The trained family (tools/train_family.py), committed with its recipe.
 TRAINED_DIR = REPO_ROOT / "models" / "tiny_trained"
+# The trained family with experts enough for tensor parallelism (`trained_family_with_experts`).
+TP_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_trained_tp"
+TP_NUM_EXPERTS = 4
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
 PAD_TOKEN, IM_START, EOS_TOKEN, MASK_TOKEN = SPECIAL_TOKENS
@@ -454,6 +458,53 @@ def trained_family(root: str | os.PathLike = TRAINED_DIR) -> TinyFamily:
             raise ValueError(f"trained family {root}: {name} is {state} (sha256 mismatch)")
     return TinyFamily(root=root, target=root / "target", dflash=root / "dflash",
                       weaver=root / "weaver", build_hash=_sha256(manifest_path))
+
+
+def trained_family_with_experts(
+    num_experts: int = TP_NUM_EXPERTS, out_dir: str | os.PathLike = TP_OUT_DIR
+) -> TinyFamily:
+    """The trained family, its target's one expert (and router row) copied `num_experts`
+    times, written to `out_dir` (reused while the trained family is unchanged).
+
+    vLLM refuses a MoE layer with fewer experts than tensor-parallel ranks. Identical experts
+    behind identical router rows give every top-1 choice the same output at routing weight
+    1, so this target computes what the trained one does, and TP can split it.
+    """
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    trained = trained_family()
+    root = Path(out_dir).resolve()
+    source = f"{trained.build_hash}:{num_experts}"
+    if (root / "source.txt").is_file() and (root / "source.txt").read_text() == source:
+        return dataclasses.replace(trained, root=root, target=root / "target",
+                                   dflash=root / "dflash", weaver=root / "weaver")
+    config = json.loads((trained.target / "config.json").read_text(encoding="utf-8"))
+    if config["num_experts"] != 1 or config["num_experts_per_tok"] != 1:
+        raise ValueError("trained_family_with_experts copies a single top-1 expert")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
+    try:
+        for part in ("target", "dflash", "weaver"):
+            shutil.copytree(trained.root / part, staging / part)
+        state = load_file(trained.target / "model.safetensors")
+        for name in list(state):
+            expert = re.fullmatch(r"(.*\.mlp\.experts\.)0(\..*)", name)
+            for copy in range(1, num_experts) if expert else ():
+                state[f"{expert[1]}{copy}{expert[2]}"] = state[name].clone()
+            if name.endswith(".mlp.gate.weight"):
+                state[name] = state[name].repeat(num_experts, 1)
+        save_file(state, str(staging / "target" / "model.safetensors"), metadata={"format": "pt"})
+        _write_json(staging / "target" / "config.json", {**config, "num_experts": num_experts})
+        (staging / "source.txt").write_text(source)
+        if root.exists():
+            shutil.rmtree(root)
+        staging.rename(root)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging)
+    return trained_family_with_experts(num_experts, root)
 
 
 def build_family(

@@ -25,6 +25,14 @@ ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 # Request options whose draft-time handling in vLLM assumes one chain of drafts.
 UNSUPPORTED_REQUEST_OPTIONS = ("structured_outputs", "thinking_token_budget")
+# Parallelism the tree path does not handle yet, and what it would need.
+_WHOLE_KV_ROWS = "tree attention and the KV commit read and move whole KV rows, not split ones"
+UNSUPPORTED_PARALLELISM = {
+    "pipeline_parallel_size": "each stage would need the tree step and the accepted paths, "
+                              "and the drafter the context layers of every stage",
+    "decode_context_parallel_size": _WHOLE_KV_ROWS,
+    "prefill_context_parallel_size": _WHOLE_KV_ROWS,
+}
 # Set to True on the SpeculativeConfig of an engine running dflash_tfm (vLLM only knows
 # it as "dflash"), the one object SamplingParams._validate_spec_decode receives. An
 # instance attribute: it travels with the config wherever vLLM pickles or copies it, and
@@ -121,6 +129,15 @@ def _check_engine_args(engine_args) -> None:
         raise ValueError(
             f"async_scheduling must be False with speculative method '{METHOD}'"
         )
+    # Any tensor_parallel_size works: the drafter and target shard as vLLM shards them,
+    # the Weaver reads the vocabulary gathered whole, and the first rank's trees and
+    # accepted paths are broadcast to the others (proposer.py, runner.py).
+    for name, why in UNSUPPORTED_PARALLELISM.items():
+        if getattr(engine_args, name) != 1:
+            raise ValueError(
+                f"{name} must be 1 with speculative method '{METHOD}', got "
+                f"{getattr(engine_args, name)} ({why})"
+            )
     if _on_cpu():
         return
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):

@@ -6,12 +6,20 @@ accepted path comes first (the tree put it anywhere), and instead of taking
 the argmax of each marginal it keeps the top-``candidate_pool`` ids and
 logits of each of the D draft positions and grows a tree from them, both
 through the drafting core's draft round (``vllm_tfm/drafting/draft_round.py``).
+
+Under tensor parallelism every rank runs the (sharded) drafter, whose logits vLLM
+gathers whole on every rank, but only the group's first rank grows the trees, and
+broadcasts them: vLLM schedules that rank's drafts, and every rank must score and
+verify the very tree whose tokens were scheduled.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
+from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.drafting.draft_round import (
@@ -25,13 +33,30 @@ from vllm_tfm.options import TfmOptions
 
 
 def _embedding_and_head(target_model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's input embedding and LM head, [vocabulary, hidden] each, whole."""
     language_model = (
         target_model.get_language_model()
         if hasattr(target_model, "get_language_model") else target_model
     )
-    embed = language_model.model.embed_tokens.weight
-    head = language_model.lm_head.weight
-    return embed, head
+    return (_whole_vocabulary(language_model.model.embed_tokens),
+            _whole_vocabulary(language_model.lm_head))
+
+
+def _whole_vocabulary(layer) -> torch.Tensor:
+    """All vocabulary rows of a vLLM vocab-parallel layer, on every rank.
+
+    vLLM pads the vocabulary and, under tensor parallelism, gives each rank one
+    equal slice of the padded rows in rank order: gathered, the slices are the
+    padded table. (Added vocabulary, e.g. LoRA's, would sit after the padding.)
+    """
+    if layer.num_added_embeddings:
+        raise ValueError(f"dflash_tfm cannot read a vocabulary with "
+                         f"{layer.num_added_embeddings} added embeddings (LoRA extra vocab)")
+    weight = layer.weight
+    group = get_tp_group()
+    if group.world_size > 1:
+        weight = group.all_gather(weight, dim=0)
+    return weight[: layer.org_vocab_size]
 
 
 class TreeProposer(DFlashProposer):
@@ -128,7 +153,7 @@ class TreeProposer(DFlashProposer):
             sampling_metadata, mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings,
         )
-        trees = self._grow_trees(next_token_ids.long())
+        trees = self._shared_trees(next_token_ids.long())
         self.trees = trees
         batch = trees.tokens.shape[0]
         self._tree_row = {
@@ -137,6 +162,30 @@ class TreeProposer(DFlashProposer):
         self._parents_cpu = trees.parents.cpu().numpy()
         self._drafted = True
         return self._draft_token_ids(trees)
+
+    def _shared_trees(self, root_tokens: torch.Tensor) -> DraftTree:
+        """The first tensor-parallel rank's trees, on every rank (see the module docstring).
+
+        A failure to grow them is broadcast too, so that no rank waits for trees that
+        never come and every rank falls back to no drafts alike.
+        """
+        group = get_tp_group()
+        if group.world_size == 1:
+            return self._grow_trees(root_tokens)
+        if group.rank_in_group == 0:
+            try:
+                trees = self._grow_trees(root_tokens)
+            except Exception:
+                group.broadcast_tensor_dict({"failed": True}, src=0)
+                raise
+            fields = {field.name: getattr(trees, field.name)
+                      for field in dataclasses.fields(trees)}
+            group.broadcast_tensor_dict({"failed": False, **fields}, src=0)
+            return trees
+        fields = group.broadcast_tensor_dict(None, src=0)
+        if fields.pop("failed"):
+            raise RuntimeError("tensor-parallel rank 0 failed to grow this step's trees")
+        return DraftTree(**fields)
 
     def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:
         """The tree-build stage (tools/bench_e2e.py --breakdown times this method)."""

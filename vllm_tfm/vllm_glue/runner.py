@@ -37,6 +37,7 @@ import functools
 
 import numpy as np
 import torch
+from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
 from triton_ops.tree_metadata import build_tree_metadata
@@ -206,13 +207,29 @@ def wrap_sample(original):
         from vllm_tfm.vllm_glue.verify import sample_roots, verify_step
 
         try:
-            return verify_step(self, step, logits, spec_decode_metadata)
+            output = verify_step(self, step, logits, spec_decode_metadata)
         except Exception:
             _report_fault("tree verification", step.req_ids,
                           "every request takes vLLM's sample at its root this step")
-            return sample_roots(self, step, logits, spec_decode_metadata)
+            output = sample_roots(self, step, logits, spec_decode_metadata)
+        _adopt_first_rank_result(step, output)
+        return output
 
     return _sample
+
+
+def _adopt_first_rank_result(step, output) -> None:
+    """Under tensor parallelism, every rank takes the first rank's accepted paths.
+
+    Every rank verifies the same (broadcast) trees against the same gathered logits
+    with generators vLLM keeps in step, so they agree already; the broadcast keeps
+    them agreeing when a fault sent one rank down the fallback, since each rank
+    commits its own cache shards along the path it holds.
+    """
+    group = get_tp_group()
+    if group.world_size > 1:
+        group.broadcast(output.sampled_token_ids, src=0)
+        group.broadcast(step.accepted_leaf, src=0)
 
 
 def wrap_update_states_after_model_execute(original):
@@ -227,13 +244,20 @@ def wrap_update_states_after_model_execute(original):
             return
         from vllm_tfm.vllm_glue.commit import commit_step, publish_commit, written_requests
 
+        failed = torch.zeros(len(step.req_ids), dtype=torch.int32)
         try:
             commit_step(self, step)
         except Exception:
-            failed = [step.req_ids[r] for r in written_requests(step)]
-            _report_fault("committing the accepted paths", failed,
+            written = written_requests(step)
+            _report_fault("committing the accepted paths", [step.req_ids[r] for r in written],
                           "their caches are unknown: they end with an error")
-            self._tfm_failed.update(failed)
+            failed[written] = 1
+        group = get_tp_group()
+        if group.world_size > 1:
+            # Only the first rank's output reaches the scheduler: it must fail every
+            # request whose cache shard any rank left unknown.
+            torch.distributed.all_reduce(failed, group=group.cpu_group)
+        self._tfm_failed.update(step.req_ids[r] for r in failed.nonzero()[:, 0].tolist())
         step.gdn_records.clear()
         publish_commit(self, len(step.req_ids))
 
