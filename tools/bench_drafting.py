@@ -1,34 +1,67 @@
-"""Draft-tree build latency: Weaver best-first, DDTree and chain, per round.
+"""Draft-round latency: Weaver best-first, DDTree and chain, eager and CUDA-graph replayed.
 
 At Qwen3.6-27B Weaver dimensions (d_model 5120, d_embed 5120, d_rank 2048, 1 layer of 16
-heads, vocab 248320, pools of 512 over 15 draft positions) with random weights, batch 1 by
-default. One round = the engine's `draft_trees`: Weaver's prefix pass + the best-first
-expansion loop (about budget / expand_width Weaver calls), or the DDTree / chain
-construction from the pools.
+heads, mlp_dim from the published parameter count: see ``derive_mlp_dim``), vocab 248320,
+pools of 512 over 15 draft positions, bf16, random weights. One round = ``draft_trees``
+from the candidate pools: Weaver's prefix pass + the best-first loop (about
+budget / expand_width Weaver calls), or the DDTree / chain construction. The pools
+themselves (the target LM-head product + top-512, which the chain pays too) are timed
+apart. "graph" = ``DraftRound``'s CUDA graph replayed; "eager" = ``draft_trees``.
+Before timing, the CUDA run checks the fused kernels against their PyTorch paths and
+the graph round against the eager reference builder.
 
-    python tools/bench_drafting.py                    # CUDA, prints a table
-    python tools/bench_drafting.py --smoke            # tiny dimensions on CPU
+    python tools/bench_drafting.py                    # CUDA: checks, then the tables
+    python tools/bench_drafting.py --smoke            # tiny dimensions on CPU, eager
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 
 import torch
 
-from vllm_tfm.drafting.draft_round import candidate_pools, draft_depth, draft_trees
-from vllm_tfm.drafting.weaver import WeaverConfig
+from triton_ops.testing import rel_err
+from triton_ops.weaver_step import node_attention, rms_norm, take_top
+from vllm_tfm.drafting.draft_round import DraftRound, candidate_pools, draft_depth, draft_trees
+from vllm_tfm.drafting.weaver import Weaver, WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import random_weaver
 from vllm_tfm.options import DFLASH_DRAFT_DEPTH, default_expand_width
 
 QWEN36_WEAVER = dict(d_model=5120, d_embed=5120, d_rank=2048, num_layers=1, num_heads=16,
-                     mlp_dim=2048 * 4, K=15, candidate_pool_size=512)
+                     K=15, candidate_pool_size=512, layout="rope_swiglu")
+QWEN36_PARAMETERS = 56.7e6  # published, rounded to 0.1M
 QWEN36_VOCAB = 248320
 SMOKE_WEAVER = dict(d_model=64, d_embed=64, d_rank=32, num_layers=1, num_heads=2, mlp_dim=64,
                     K=15, candidate_pool_size=64)
 SMOKE_VOCAB = 512
+TREES = ("weaver", "ddtree", "chain")
+
+
+def derive_mlp_dim(dims: dict, published: float) -> tuple[int, str]:
+    """The mlp_dim whose Weaver has ``published`` parameters (rounded to 0.1M).
+
+    The count is linear in mlp_dim: fixed + per_unit * mlp_dim, both read off the
+    module itself (built on the meta device). The 0.1M rounding leaves an interval
+    of about 16 widths; exactly one multiple of 16 lies in it.
+    """
+    def count(mlp_dim: int) -> int:
+        with torch.device("meta"):
+            return sum(p.numel() for p in Weaver(WeaverConfig(**dims, mlp_dim=mlp_dim)).parameters())
+
+    per_unit = count(2) - count(1)
+    fixed = count(1) - per_unit
+    low = (published - 0.05e6 - fixed) / per_unit
+    high = (published + 0.05e6 - fixed) / per_unit
+    fits = [m for m in range(math.ceil(low), math.floor(high) + 1) if m % 16 == 0]
+    if len(fits) != 1:
+        raise ValueError(f"mlp_dim interval [{low:.1f}, {high:.1f}] holds {fits} multiples of 16")
+    note = (f"parameters = {fixed:,} + {per_unit:,} x mlp_dim; {published / 1e6:.1f}M +- 0.05M "
+            f"-> mlp_dim in [{low:.1f}, {high:.1f}], whose one multiple of 16 is {fits[0]} "
+            f"({count(fits[0]) / 1e6:.3f}M parameters)")
+    return fits[0], note
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -47,49 +80,146 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def check_kernels(device: torch.device, gen: torch.Generator) -> None:
+    """The fused node-step kernels against their PyTorch paths at the bench's shapes."""
+    x = torch.randn(16, 5120, generator=gen).to(device, torch.bfloat16)
+    weight, bias = (torch.randn(5120, generator=gen).to(device) for _ in range(2))
+    print(f"check rms_norm [16, 5120] bf16: rel err vs torch "
+          f"{rel_err(rms_norm(x, weight, bias, 1e-6), rms_norm(x, weight, bias, 1e-6, backend='torch')):.2e}")
+    R, w, H, hd, T, M = 4, 8, 16, 128, 16, 130
+    q, k, v = (torch.randn(R, w, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(3))
+    pk, pv = (torch.randn(R, T, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    caches = [torch.randn(R, M, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(2)]
+    slots = torch.arange(w, device=device).expand(R, w).contiguous() + 100
+    ancestors = torch.randint(-1, 90, (R, w, T), generator=gen).to(device)
+    angles = torch.rand(R, w, hd // 2, generator=gen).to(device) * 6
+    outs = [node_attention(q, k, v, pk, pv, nk, nv, slots, ancestors, angles.cos(), angles.sin(),
+                           backend=b)
+            for b, (nk, nv) in (("triton", [c.clone() for c in caches]),
+                                ("torch", [c.clone() for c in caches]))]
+    print(f"check node_attention [R {R}, w {w}, H {H}, hd {hd}, T {T}] bf16 rotary: rel err vs "
+          f"torch {rel_err(outs[0], outs[1]):.2e}")
+    values = torch.randint(-4, 4, (64, 1032), generator=gen).float().to(device)
+    same = [torch.equal(a, b) for a, b in zip(take_top(values, 32), take_top(values, 32,
+                                                                              backend="torch"))]
+    print(f"check take_top [64, 1032] with ties, top 32: equal to the stable sort {all(same)}")
+
+
+def compare_trees(got, want) -> str:
+    same = (got.tokens == want.tokens).all(1) & (got.parents == want.parents).all(1) & (
+        got.num_nodes == want.num_nodes)
+    return (f"{int(same.sum())}/{len(same)} trees identical, max |logq diff| "
+            f"{float((got.draft_logq - want.draft_logq).abs().max()):.1e}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny dimensions on CPU")
-    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--eager-repeats", type=int, default=5)
     args = parser.parse_args()
 
     device = torch.device("cpu" if args.smoke else "cuda")
-    dims, vocab = (SMOKE_WEAVER, SMOKE_VOCAB) if args.smoke else (QWEN36_WEAVER, QWEN36_VOCAB)
-    dtype = torch.float32 if args.smoke else torch.bfloat16
+    if args.smoke:
+        dims, vocab, dtype = SMOKE_WEAVER, SMOKE_VOCAB, torch.float32
+    else:
+        mlp_dim, note = derive_mlp_dim(QWEN36_WEAVER, QWEN36_PARAMETERS)
+        print(f"mlp_dim: {note}")
+        dims, vocab, dtype = dict(QWEN36_WEAVER, mlp_dim=mlp_dim), QWEN36_VOCAB, torch.bfloat16
     config = WeaverConfig(**dims)
     weaver = random_weaver(config, seed=0).to(device=device, dtype=dtype).eval()
     gen = torch.Generator(device="cpu").manual_seed(0)
     embed = (torch.randn(vocab, config.d_embed, generator=gen) * 0.02).to(device, dtype)
     head = (torch.randn(vocab, config.d_model, generator=gen) * 0.02).to(device, dtype)
     weaver.prepare_tables(embed, head)
+    graphs = device.type == "cuda"
+    print(f"device: {torch.cuda.get_device_name() if graphs else 'cpu'}, torch {torch.__version__}, "
+          f"Weaver {dims}, vocab {vocab}, dtype {dtype}")
+    if graphs:
+        try:
+            check_kernels(device, gen)
+        except Exception as error:
+            print(f"kernel checks failed: {error!r}", flush=True)
 
-    R, D = args.batch, DFLASH_DRAFT_DEPTH
-    h_v = torch.randn(R, config.d_model, generator=gen).to(device, dtype)
-    hidden = torch.randn(R, D, config.d_model, generator=gen).to(device, dtype)
-    logits = torch.randn(R, D, vocab, generator=gen).to(device) * 3
-    roots = torch.randint(0, vocab, (R,), generator=gen).to(device)
+    D = DFLASH_DRAFT_DEPTH
+    rows, pool_rows = [], []
+    for R in args.batches:
+        h_v = torch.randn(R, config.d_model, generator=gen).to(device, dtype)
+        hidden = torch.randn(R, D, config.d_model, generator=gen).to(device, dtype)
+        roots = torch.randint(0, vocab, (R,), generator=gen).to(device)
 
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-          f"batch {R}, Weaver {dims}, vocab {vocab}, dtype {dtype}")
-    print("| budget | Weaver best-first (ms) | Weaver calls | DDTree (ms) | chain (ms) |")
-    print("|---:|---:|---:|---:|---:|")
-    with torch.inference_mode():
+        def pools_of(states):
+            return candidate_pools((states @ head.T).view(R, D, vocab), config.candidate_pool_size)
+
+        pools_eager = timed(lambda: pools_of(hidden.view(R * D, -1)), device, args.repeats)
+        pools_graph = float("nan")
+        if graphs:
+            static = hidden.view(R * D, -1).clone()
+            pools_of(static)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                pools_of(static)
+            pools_graph = timed(graph.replay, device, args.repeats)
+            del graph
+        pool_rows.append(f"| {R} | {pools_eager:.3f} | {pools_graph:.3f} |")
+        full_pools = pools_of(hidden.view(R * D, -1))
         for budget in args.budgets:
-            # As in the engine: D = the DFlash block's masks, cut to the budget and K.
-            depth = draft_depth(budget, D, weaver)
-            pools = candidate_pools(logits[:, :depth], config.candidate_pool_size)
+            depth = draft_depth(budget, D, weaver)  # as in the engine: cut to the budget and K
+            pools = type(full_pools)(full_pools.ids[:, :depth].contiguous(),
+                                     full_pools.scores[:, :depth].contiguous())
+            cells = []
+            for tree in TREES:
+                inputs = (roots, pools, h_v, hidden[:, :depth])
 
-            def round_ms(tree: str) -> float:
-                return timed(lambda: draft_trees(tree, roots, pools, budget, weaver=weaver,
-                                                 h_v=h_v, dflash_hidden=hidden[:, :depth],
-                                                 validate=False), device, args.repeats)
+                def eager():
+                    return draft_trees(tree, roots, pools, budget, weaver=weaver, h_v=h_v,
+                                       dflash_hidden=hidden[:, :depth], validate=False)
 
+                eager_ms = float("nan")
+                try:
+                    with torch.inference_mode():
+                        repeats = args.eager_repeats if tree == "weaver" else args.repeats
+                        eager_ms = timed(eager, device, repeats)
+                except Exception as error:  # a failed cell must not lose the table
+                    print(f"eager {tree} B {R} budget {budget} failed: {error!r}", flush=True)
+                graph_ms = float("nan")
+                if graphs:
+                    try:
+                        round_ = DraftRound(tree, R, depth, pools.ids.shape[2], budget,
+                                            device=device, weaver=weaver)
+                        got = round_(*inputs)
+                        if budget == 64 and R in (1, 8):
+                            with torch.no_grad():
+                                want = draft_trees(tree, *inputs[:2], budget, weaver=weaver,
+                                                   h_v=h_v, dflash_hidden=hidden[:, :depth],
+                                                   validate=False, backend="torch")
+                            print(f"check graph round = eager reference ({tree}, B {R}, budget "
+                                  f"{budget}): {compare_trees(got, want)}", flush=True)
+                        graph_ms = timed(round_.graph.replay, device, args.repeats)
+                        if tree == "weaver" and budget == 64:
+                            call_ms = timed(lambda: round_(*inputs), device, args.repeats)
+                            print(f"Weaver B {R} budget 64: graph call with input copies and "
+                                  f"output select {call_ms:.3f} ms (replay {graph_ms:.3f})")
+                        del round_
+                    except Exception as error:  # a failed cell must not lose the table
+                        print(f"graph {tree} B {R} budget {budget} failed: {error!r}", flush=True)
+                cells.append(f"{eager_ms:.2f} | {graph_ms:.3f}")
             calls = 1 + -(-budget // default_expand_width(budget))
-            weaver_ms, ddtree_ms, chain_ms = (round_ms(t) for t in ("weaver", "ddtree", "chain"))
-            print(f"| {budget} | {weaver_ms:.2f} | ~{calls} | {ddtree_ms:.2f} | {chain_ms:.3f} |",
-                  flush=True)
+            rows.append(f"| {R} | {budget} | ~{calls} | " + " | ".join(cells) + " |")
+            print(rows[-1], flush=True)
+        if graphs:
+            torch.cuda.empty_cache()
+
+    print("\nRound from the pools, median ms (eager = draft_trees, graph = DraftRound replay):")
+    print("| B | budget | Weaver calls | Weaver eager | Weaver graph | DDTree eager | "
+          "DDTree graph | chain eager | chain graph |")
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("\n".join(rows))
+    print("\nPools (LM-head product of the 15 DFlash states + top-512), median ms:")
+    print("| B | eager | graph |\n|--:|--:|--:|")
+    print("\n".join(pool_rows))
 
 
 if __name__ == "__main__":
