@@ -18,6 +18,7 @@ from triton_ops.tree_attention import (
     paged_tree_attention,
     tree_kv_commit,
 )
+from triton_ops.tree_attention.attention import MAX_SPLITS, split_count
 
 BACKENDS = ("torch", "triton")
 LAYOUTS = ("contiguous", "kv_stacked", "hnd", "cpu_attn")
@@ -137,7 +138,7 @@ def test_trees_match_naive(backend, case, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_torch_path(dtype, gen):
     # The interpreter's bf16 is unreliable (triton#11584): the Triton kernel's half
-    # dtypes are checked on CUDA by tools/bench_tree_ops.py.
+    # dtypes are checked on CUDA by tools/bench_kernels.py --only attn.
     num_nodes, prefix_lens = (12, 5), (40, 0)
     meta = random_tree_metadata(gen, ("random", "forest"), 12, num_nodes)
     keys, values, block_table, _ = make_paged_batch(prefix_lens, num_nodes, 2, 64, 16, "hnd",
@@ -307,3 +308,19 @@ def test_triton_refuses_tiled_caches(gen):
     leaf = torch.tensor([3, 2])
     with pytest.raises(ValueError, match=r"value_caches\[0\] must be a plain .* CPU-only"):
         tree_kv_commit(keys, [tiled_v], *args, leaf, backend="triton")
+
+
+@pytest.mark.parametrize("num_sms", [132, 114, 78])
+def test_split_count_fills_whole_waves(num_sms):
+    """Long prefixes: the split kernel's programs (one per SM at a time) come in whole
+    waves, e.g. 24 programs per split on 132 SMs (B = 1, N = 128 at Qwen3.6-27B's
+    attention shapes) take 11 splits = 2 full waves, not 6 = 1.1 waves."""
+    for per_split in range(1, 400):
+        splits = split_count(per_split, num_sms)
+        assert 1 <= splits <= MAX_SPLITS
+        programs = per_split * splits
+        fill = programs / (math.ceil(programs / num_sms) * num_sms)
+        # With too few programs even MAX_SPLITS splits cannot fill one wave.
+        best_possible = min(1.0, per_split * MAX_SPLITS / num_sms)
+        assert fill >= min(0.9, best_possible), (per_split, splits, fill)
+    assert split_count(24, 132) == 11

@@ -75,7 +75,7 @@ def test_trees_match_naive(backend, W, kind, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_torch_path(dtype, gen):
     # The interpreter's bf16 is unreliable (triton#11584): half dtypes are covered on CPU
-    # by the torch path here and by the CUDA check in tools/bench_tree_ops.py.
+    # by the torch path here and by the CUDA check in tools/bench_kernels.py --only conv.
     B, N, C, W = 4, 33, 64, 4
     meta = random_tree_metadata(gen, ["random", "forest", "star", "bushy"], N, [33, 20, 9, 1], W)
     x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 4, dtype, gen)

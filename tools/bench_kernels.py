@@ -1,19 +1,25 @@
-"""Kernel benchmarks: correctness check on the device, then one timing table per op family.
+"""Kernel benchmarks, one tool for every tree-op family: correctness on the device first,
+then one timing table per family.
 
-    python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--smoke]
+    python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--sweep] [--smoke]
 
-Each family is one ``bench_<family>(args) -> list[str]`` function returning its printed
-lines; ``main`` runs the selected ones and prints (and optionally saves) every table.
-``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing,
-to check the script itself without a GPU.
+Families: ``gdn`` (tree verify / commit against the per-node-state baseline, fla's chunk
+kernel on a chain of the same N and vLLM's own GDN spec-decode kernel at the same token
+count, where importable), ``conv`` (tree conv1d and its commit), ``attn`` (tree attention
+against SDPA, and the tree KV commit). Each family is one ``bench_<family>(args)`` function
+that checks, times and returns its printed lines; ``main`` runs the selected ones and prints
+(and with ``--out`` saves) every table. ``--sweep`` adds the launch-configuration sweeps.
+``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing, to
+check the script itself without a GPU.
 
 It imports `triton_ops` from the installed package; where the package is not installed
 (a bare GPU machine), put the repository root on the path: `PYTHONPATH=$PWD python ...`.
 
-Timings: ``do_bench`` is Triton's eager timer (it flushes L2 between calls but also
-counts host launch gaps when a kernel is shorter than its launch); ``graph`` replays a
-CUDA graph that runs the op once per "layer" over enough distinct layers' inputs to
-overflow L2 (as a model's consecutive layers do), reported per call.
+Timings, median microseconds: ``eager`` is Triton's ``do_bench`` (it flushes L2 between
+calls but also counts host launch gaps when a kernel is shorter than its launch);
+``graph`` replays a CUDA graph that runs the op once per "layer" over enough distinct
+layers' inputs to overflow L2 (as a model's consecutive layers do), reported per call.
+Floors: bytes moved once / measured copy bandwidth; FLOPs / measured bf16 matmul rate.
 """
 
 from __future__ import annotations
@@ -34,9 +40,16 @@ from triton_ops.gdn_tree import (
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
+from triton_ops.gdn_tree.chunk import PRECISIONS
 from triton_ops.gdn_tree.chunk_triton import verify_triton
-from triton_ops.testing import random_tree_metadata, rel_err
-from triton_ops.tree_metadata import build_tree_metadata
+from triton_ops.testing import random_tree_metadata, rel_err, same_bits
+from triton_ops.tree_attention import (
+    naive_tree_attention,
+    naive_tree_kv_commit,
+    paged_tree_attention,
+    tree_kv_commit,
+)
+from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 L2_BYTES = 60 << 20
 
@@ -85,6 +98,11 @@ def time_graph(fns: list, device: torch.device, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def layers_for(bytes_per_layer: int) -> int:
+    """Distinct layers' inputs a graph cycles through so that they overflow L2 twice."""
+    return max(1, min(16, math.ceil(2 * L2_BYTES / max(bytes_per_layer, 1))))
+
+
 def guarded(label: str, fn) -> float:
     """Run a timing; a failure is printed and reported as NaN so the other rows still run."""
     try:
@@ -104,6 +122,14 @@ def copy_bandwidth(device: torch.device) -> float:
     return 2 * src.numel() * 4 / (us * 1e-6)
 
 
+def matmul_rate(device: torch.device) -> float:
+    """FLOP per second of a large bf16 matrix product on random data."""
+    if device.type != "cuda":
+        return float("nan")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=device)
+    return 2 * 8192**3 / (time_eager(lambda: a @ a, device) * 1e-6)
+
+
 def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
@@ -112,6 +138,22 @@ def table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
 
 def fmt(x: float, digits: int = 1) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def fmt_err(x: float) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.1e}"
+
+
+def meta_on(meta: TreeMetadata, device) -> TreeMetadata:
+    return type(meta)(**{k: v.to(device) for k, v in vars(meta).items()})
+
+
+def check_row(rows: list, failed: list, name: str, err: float, tol: float) -> None:
+    """One correctness row; NaN and inf never pass."""
+    ok = math.isfinite(err) and err <= tol
+    if not ok:
+        failed.append(name)
+    rows.append([name, fmt_err(err), f"{tol:.0e}", "ok" if ok else "FAIL"])
 
 
 # --- GDN tree verify / commit -------------------------------------------------------------
@@ -130,20 +172,39 @@ def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
     return q, k, v, g, beta, pool, slots
 
 
-def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
+def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None):
+    """(verify output error, committed state error, the float64 outputs) against the
+    float64 recurrence, on the first ``first`` requests (the reference keeps every
+    node's state in float64)."""
+    q, k, v, g, beta, pool, slots = inputs
+    B = q.shape[0] if first is None else min(first, q.shape[0])
+    sub = type(meta)(**{name: t[:B] for name, t in vars(meta).items()})
+    q, k, v, g, beta, slots = q[:B], k[:B], v[:B], g[:B], beta[:B], slots[:B]
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, sub)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, sub, precision=precision)
+    leaf = sub.num_nodes.long() - 1
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, sub, out, leaf, precision=precision)
+    want = ref_states[torch.arange(B, device=q.device), leaf]
+    return rel_err(out.o, ref_o), rel_err(new_pool[slots.long()], want), ref_o
+
+
+def gdn_correctness(device, smoke: bool, failed: list) -> list[str]:
     """Triton verify/commit and the recurrent baseline against the float64 recurrence."""
     cases = [
         # B, N, H, HV, K, V, tree shape (triton_ops.testing), partial node counts, state dtype
         (3, 40, 2, 4, 16, 32, "bushy", True, torch.float32),
         (2, 64, 1, 3, 64, 64, "chain", False, torch.float32),
         (4, 128, 2, 6, 128, 128, "bushy", True, torch.float32),
+        (5, 128, 16, 48, 128, 128, "forest", True, torch.float32),
         (2, 100, 1, 2, 128, 128, "forest", True, torch.bfloat16),
         (1, 64, 16, 48, 128, 128, "random", False, torch.float32),
         (2, 48, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
+        (3, 128, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
     ]
     if smoke:
         cases = [c for c in cases if c[4] <= 64][:2]
-    rows, ok = [], True
+    rows = []
     gen = torch.Generator().manual_seed(0)
     for B, N, H, HV, K, V, shape, partial, state_dtype in cases:
         # Partial: the first request full, the others random counts (padding).
@@ -155,80 +216,98 @@ def gdn_correctness(device, smoke: bool) -> tuple[list[str], bool]:
         dtype = torch.bfloat16 if low else torch.float32
         q, k, v, g, beta, pool, slots = gdn_inputs(gen, B, N, H, HV, K, V, dtype, device)
         pool = pool.to(state_dtype)
-        ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
         out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta)
         pad = ~meta.valid
-        pad_ok = all(bool((t[pad] == 0).all()) for t in (out.o, out.delta, out.gate_sum))
-        leaf = meta.num_nodes.long() - 1
-        new_pool = pool.clone()
-        gdn_tree_commit(new_pool, slots, meta, out, leaf)
-        want = ref_states[torch.arange(B, device=device), leaf]
-        commit_err = rel_err(new_pool[slots.long()], want)
+        pad_ok = all(bool((t[pad] == 0).all()) for t in (out.o, out.delta, out.gate_sum, out.k_normed))
+        verify_err, commit_err, ref_o = gdn_errors((q, k, v, g, beta, pool, slots), meta)
         rec_o, _ = fused_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
-        errs = (rel_err(out.o, ref_o), commit_err, rel_err(rec_o, ref_o))
+        errs = (verify_err, commit_err, rel_err(rec_o, ref_o))
         # bf16 state or output rounds at ~4e-3; the fp32 commit of bf16 inputs stays tight.
-        tol = 1e-4 if state_dtype == torch.float32 and not low else 1e-2
-        passed = pad_ok and max(errs) < tol and (not low or commit_err < 1e-4)
-        ok &= passed
+        tol = 1e-5 if state_dtype == torch.float32 and not low else 1e-2
+        passed = pad_ok and max(errs) < tol and (not low or commit_err < 1e-5)
+        if not passed:
+            failed.append(f"gdn {B}x{N} {shape}")
         rows.append([
             f"{B}x{N}x{H}/{HV}x{K}", shape + ("+pad" if partial else ""),
             "bf16 in" if low else str(state_dtype).split(".")[-1],
-            *(f"{e:.1e}" for e in errs), "ok" if passed else "FAIL",
+            *(fmt_err(e) for e in errs), "ok" if passed else "FAIL",
         ])
     header = ["B x N x H/HV x K", "tree", "state", "verify err", "commit err", "recurrent err", "check"]
-    return table("GDN tree: fp32 inputs vs float64 per-node recurrence (relative norm error)", header, rows), ok
+    return table("GDN tree: kernels vs float64 per-node recurrence (relative norm error)", header, rows)
 
 
-def gdn_precision_table(device, smoke: bool) -> list[str]:
-    """Output error vs float64 at the model's head shape, B = 1, for each dot precision."""
+def gdn_precision_table(device, smoke: bool, failed: list) -> list[str]:
+    """Verify and commit error vs float64 at the model's head shape, per dot precision."""
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
     rows = []
     gen = torch.Generator().manual_seed(1)
-    for N in (16, 64) if smoke else (16, 32, 64, 128):
-        meta = random_tree_metadata(gen, ["bushy"], N, device=device)
+    for N in (16, 64) if smoke else (16, 64, 128):
+        meta = random_tree_metadata(gen, ["bushy", "random"], N, [N, N], device=device)
         for dtype in (torch.float32, torch.bfloat16):
-            q, k, v, g, beta, pool, slots = gdn_inputs(gen, 1, N, H, HV, K, V, dtype, device)
-            ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
-            # Each precision is a separate compile per N: the others only where it matters most.
-            precisions = ("tf32x3", "tf32", "ieee") if N == 64 and dtype == torch.float32 else ("tf32x3",)
-            errs = [
-                rel_err(gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, precision=p).o, ref_o)
-                for p in precisions
-            ]
-            rows.append([str(N), str(dtype).split(".")[-1], *(f"{e:.1e}" for e in errs), "-", "-"][:5])
-    header = ["N", "inputs", "tf32x3", "tf32", "ieee"]
-    return table(f"GDN tree verify: output error vs float64 by dot precision (B=1, H={H}, HV={HV}, "
-                 f"K=V={K})", header, rows)
+            inputs = gdn_inputs(gen, 2, N, H, HV, K, V, dtype, device)
+            cells = []
+            for precision in PRECISIONS:
+                verify_err, commit_err, _ = gdn_errors(inputs, meta, precision)
+                cells += [fmt_err(verify_err), fmt_err(commit_err)]
+                # tf32x3 and ieee must keep fp32 accuracy where the output is fp32.
+                if precision != "tf32" and dtype == torch.float32 and max(verify_err, commit_err) > 1e-5:
+                    failed.append(f"gdn precision {precision} N={N}")
+            rows.append([str(N), str(dtype).split(".")[-1], *cells])
+    header = ["N", "inputs"] + [f"{p} {part}" for p in PRECISIONS for part in ("verify", "commit")]
+    return table(f"GDN tree: error vs float64 by dot precision (B=2, H={H}, HV={HV}, K=V={K}; "
+                 "bf16 inputs give a bf16 output)", header, rows)
 
 
-def gdn_fla_chain(device, N: int, B: int, H: int, HV: int, K: int, V: int, layers: int):
-    """fla's chunk kernel on a chain of N tokens: (eager us, graph us, bf16 err, our bf16 err)."""
+def fla_chunk():
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     except ImportError:
         return None
-    gen = torch.Generator().manual_seed(2)
-    sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(layers)]
-    # fla takes the states gathered and [B, HV, K, V]-contiguous: gather outside the timing.
+    return chunk_gated_delta_rule
+
+
+def vllm_spec_kernel():
+    """vLLM's GDN spec-decode kernel (fused sigmoid gating + recurrent delta rule)."""
+    try:
+        from vllm.third_party.flash_linear_attention.ops import fused_sigmoid_gating_delta_rule_update
+    except Exception:  # noqa: BLE001 - absent or not importable on this machine
+        return None
+    return fused_sigmoid_gating_delta_rule_update
+
+
+def fla_chain_calls(chunk, sets):
+    """fla's chunk kernel on each layer's inputs as one chain per request; fla takes the
+    states gathered and [B, HV, K, V]-contiguous, gathered outside the timing."""
     states = [s[5][s[6].long()].contiguous() for s in sets]
 
     def call(i):
         q, k, v, g, beta = sets[i][:5]
-        return chunk_gated_delta_rule(
-            q, k, v, g, beta, initial_state=states[i], output_final_state=True,
-            use_qk_l2norm_in_kernel=True,
-        )
+        return chunk(q, k, v, g, beta, initial_state=states[i], output_final_state=True,
+                     use_qk_l2norm_in_kernel=True)
 
-    eager = time_eager(lambda: call(0), device)
-    graph = time_graph([lambda i=i: call(i) for i in range(layers)], device)
-    err = ours = float("nan")
-    if B == 1:
-        q, k, v, g, beta, pool, slots = sets[0]
-        meta = build_tree_metadata(torch.arange(-1, N - 1, device=device).view(1, N))
-        ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
-        err = rel_err(call(0)[0], ref_o)
-        ours = rel_err(gdn_tree_verify(q, k, v, g, beta, pool, slots, meta).o, ref_o)
-    return eager, graph, err, ours
+    return call
+
+
+def vllm_spec_calls(spec, sets, B, N, HV):
+    """vLLM's spec-decode path at B x N tokens: each request a chain of N tokens whose
+    per-token states go to their own slots (vLLM's layout), gates from raw a/b."""
+    device = sets[0][0].device
+    layer_args = []
+    for q, k, v, g, beta, pool, slots in sets:
+        K = q.shape[-1]
+        states = torch.zeros(B * N + 1, HV, pool.shape[-1], K, device=device)
+        states[: B * N].copy_(pool[slots.long()].transpose(-1, -2).repeat_interleave(N, 0))
+        layer_args.append(dict(
+            A_log=torch.zeros(HV, device=device), a=g.reshape(B * N, HV).to(q.dtype),
+            b=beta.reshape(B * N, HV), dt_bias=torch.zeros(HV, device=device),
+            q=q.reshape(1, B * N, *q.shape[2:]), k=k.reshape(1, B * N, *k.shape[2:]),
+            v=v.reshape(1, B * N, *v.shape[2:]), initial_state=states, inplace_final_state=True,
+            cu_seqlens=torch.arange(0, B * N + 1, N, device=device, dtype=torch.int32),
+            ssm_state_indices=torch.arange(B * N, device=device, dtype=torch.int32).view(B, N),
+            num_accepted_tokens=torch.ones(B, device=device, dtype=torch.int32),
+            use_qk_l2norm_in_kernel=True,
+        ))
+    return lambda i: spec(**layer_args[i])
 
 
 def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[str]:
@@ -236,30 +315,32 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
     Ns = (16,) if smoke else (16, 32, 64, 128)
     Bs = (1, 2) if smoke else (1, 8, 32)
-    rows, fla_rows = [], []
+    chunk = None if args.skip_baselines or device.type != "cuda" else fla_chunk()
+    spec = None if args.skip_baselines or device.type != "cuda" else vllm_spec_kernel()
+    rows = []
     gen = torch.Generator().manual_seed(3)
     for N in Ns:
         for B in Bs:
             if time.monotonic() > deadline:
-                rows.append([str(N), str(B), "(out of time)"] + [""] * 8)
+                rows.append([str(N), str(B), "(out of time)"] + [""] * 10)
                 continue
             state_bytes = B * HV * K * V * 4
             in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
             out_bytes = B * N * (HV * V * (2 + 4) + HV * 8 + H * K * 4)
-            layers = max(1, min(16, math.ceil(2 * L2_BYTES / (state_bytes + in_bytes + out_bytes))))
+            layers = layers_for(state_bytes + in_bytes + out_bytes)
             meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
             sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(layers)]
             outs = [gdn_tree_verify(*s, meta) for s in sets]
             leaf = torch.full((B,), N - 1, device=device)
             depth = int(meta.depths[0, N - 1]) + 1
-            verify_eager = guarded("verify eager", lambda: time_eager(lambda: gdn_tree_verify(*sets[0], meta), device))
             verify_graph = guarded("verify graph", lambda: time_graph(
                 [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
             commit_graph = guarded("commit graph", lambda: time_graph(
                 [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
                 device,
             ))
-            rec_graph = float("nan")
+            del outs
+            rec_graph = fla_graph = spec_graph = float("nan")
             if not args.skip_baselines:
                 node_states = torch.empty(B, N, HV, K, V, dtype=torch.float32, device=device)
                 rec_graph = guarded("recurrent graph", lambda: time_graph(
@@ -267,55 +348,75 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
                     device,
                 ))
                 del node_states
+            if chunk is not None:
+                call = fla_chain_calls(chunk, sets)
+                fla_graph = guarded("fla chunk", lambda: time_graph(
+                    [lambda i=i: call(i) for i in range(layers)], device))
+            if spec is not None:
+                # Its per-token states take N times the pool: half the layers keep memory in bounds.
+                spec_layers = max(1, layers // 2)
+
+                def time_spec():
+                    call = vllm_spec_calls(spec, sets[:spec_layers], B, N, HV)
+                    return time_graph([lambda i=i: call(i) for i in range(spec_layers)], device)
+
+                spec_graph = guarded("vLLM spec", time_spec)
+            errors = guarded("errors", lambda: gdn_errors(sets[0], meta, first=2)[:2])
+            verify_err, commit_err = errors if isinstance(errors, tuple) else (errors, errors)
             verify_floor = 1e6 * (state_bytes + in_bytes + out_bytes) / bandwidth
             commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
             commit_floor = 1e6 * commit_bytes / bandwidth
             rows.append([
-                str(N), str(B), str(layers), fmt(verify_eager), fmt(verify_graph), fmt(verify_floor),
-                fmt(commit_graph), fmt(commit_floor), fmt(rec_graph),
-                fmt(rec_graph / verify_graph if verify_graph else float("nan")),
+                str(N), str(B), fmt(verify_graph), fmt(verify_floor), fmt(commit_graph), fmt(commit_floor),
+                fmt(rec_graph), fmt(fla_graph), fmt(spec_graph),
+                fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err),
             ])
-            if device.type == "cuda" and time.monotonic() < deadline and not args.skip_baselines:
-                try:
-                    fla = gdn_fla_chain(device, N, B, H, HV, K, V, layers)
-                except Exception as exc:  # noqa: BLE001 - fla is a baseline, not under test
-                    print(f"fla chunk N={N} B={B}: {type(exc).__name__}: {exc}"[:400], flush=True)
-                    fla = None
-                if fla is not None:
-                    eager, graph, err, ours = fla
-                    fla_rows.append([str(N), str(B), fmt(eager), fmt(graph), fmt(verify_graph),
-                                     "-" if math.isnan(err) else f"{err:.1e}",
-                                     "-" if math.isnan(ours) else f"{ours:.1e}"])
-            del sets, outs
+            del sets
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    header = ["N", "B", "layers", "verify eager", "verify graph", "verify floor", "commit graph",
-              "commit floor", "recurrent graph", "recurrent/verify"]
-    lines = table(
-        f"GDN tree (us per layer; H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state in vLLM's "
-        f"[slots, HV, V, K] layout, random draft trees; floor = bytes / {fmt(bandwidth / 1e12, 2)} TB/s)",
+    header = ["N", "B", "verify", "verify floor", "commit", "commit floor", "per-node-state",
+              "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
+    return table(
+        f"GDN tree, us per layer under CUDA graphs (H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state "
+        f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
+        f"{fmt(bandwidth / 1e12, 2)} TB/s; per-node-state = fused_recurrent_gdn_tree writing every "
+        "node's state; fla chain = fla's chunk_gated_delta_rule on a chain of N; vLLM spec = vLLM's "
+        "fused_sigmoid_gating_delta_rule_update on B chains of N tokens, per-token states; errors: "
+        "bf16 output and fp32 committed state vs float64, first 2 requests)",
         header, rows,
     )
-    if fla_rows:
-        lines += table(
-            "fla 0.6.0 chunk_gated_delta_rule on a chain of N (us; bf16 output error vs float64, "
-            "ours on the same chain)",
-            ["N", "B", "fla eager", "fla graph", "ours graph (tree)", "fla bf16 err", "ours bf16 err"],
-            fla_rows,
-        )
-    return lines
 
 
-def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
-    """Verify kernel time per launch configuration (CUDA graph), at N = 64."""
-    if device.type != "cuda":
+def gdn_padding_table(device, args, deadline: float) -> list[str]:
+    """Verify time by the real node count inside a batch padded to N = 128."""
+    if args.smoke or device.type != "cuda":
+        return []
+    H, HV, K, V = 16, 48, 128, 128
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for B in (8, 32):
+        for label, counts in (("all 128", [128] * B), ("all 64", [64] * B),
+                              ("uniform 1..128", torch.randint(1, 129, (B,), generator=gen).tolist())):
+            if time.monotonic() > deadline:
+                break
+            meta = random_tree_metadata(gen, ["bushy"] * B, 128, counts, device=device)
+            sets = [gdn_inputs(gen, B, 128, H, HV, K, V, torch.bfloat16, device) for _ in range(2)]
+            us = guarded("padding", lambda: time_graph([lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
+            rows.append([str(B), label, str(sum(counts)), fmt(us)])
+    return table("GDN tree verify with padding: batch padded to N = 128, real node counts vary "
+                 "(us per layer, CUDA graph)", ["B", "node counts", "real nodes", "verify"], rows)
+
+
+def gdn_config_sweep(device, args, deadline: float) -> list[str]:
+    """Verify time per output-kernel launch configuration (CUDA graph)."""
+    if device.type != "cuda" or not args.sweep:
         return []
     H, HV, K, V = 16, 48, 128, 128
     rows = []
     gen = torch.Generator().manual_seed(4)
     configs = [(bv, w, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
     configs += [(32, 4, "tf32"), (32, 4, "ieee")]
-    for N, B in ((64, 1), (64, 8), (64, 32)):
+    for N, B in ((64, 1), (128, 1), (64, 32)):
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         for bv, warps, prec in configs:
@@ -327,52 +428,352 @@ def gdn_config_sweep(device, smoke: bool, deadline: float) -> list[str]:
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
                                      block_v=bv, num_warps=warps)
 
-            try:
-                us = time_graph([lambda s=s: call(s) for s in sets], device)
-            except Exception as exc:  # a configuration that does not compile is reported, not fatal
-                us = float("nan")
-                print(f"config BV={bv} warps={warps} {prec}: {type(exc).__name__}: {exc}"[:300])
+            us = guarded(f"config BV={bv} warps={warps} {prec}",
+                         lambda: time_graph([lambda s=s: call(s) for s in sets], device))
             rows.append([str(N), str(B), str(bv), str(warps), prec, fmt(us)])
-    return table("GDN tree verify launch configurations (us per layer, CUDA graph)",
+    return table("GDN tree verify launch configurations of the output kernel (us per layer, CUDA graph)",
                  ["N", "B", "BV", "warps", "precision", "graph"], rows)
 
 
 def bench_gdn(args) -> list[str]:
-    device = torch.device("cpu" if args.smoke else "cuda")
+    device = args.device
     deadline = time.monotonic() + args.budget_s
-    lines, ok = gdn_correctness(device, args.smoke)
-    print("\n".join(lines), flush=True)
-    bandwidth = copy_bandwidth(device)
-    timing = gdn_timing_table(device, args, bandwidth, deadline)
-    print("\n".join(timing), flush=True)
-    precision = gdn_precision_table(device, args.smoke)
-    print("\n".join(precision), flush=True)
-    sweep = gdn_config_sweep(device, args.smoke, deadline)
-    print("\n".join(sweep), flush=True)
-    if not ok:
-        args.failed.append("gdn")
-    return lines + timing + precision + sweep
+    sections = [
+        lambda: gdn_correctness(device, args.smoke, args.failed),
+        lambda: gdn_precision_table(device, args.smoke, args.failed),
+        lambda: gdn_timing_table(device, args, copy_bandwidth(device), deadline),
+        lambda: gdn_padding_table(device, args, deadline),
+        lambda: gdn_config_sweep(device, args, deadline),
+    ]
+    return run_sections("gdn", sections, args)
+
+
+# --- tree conv1d ----------------------------------------------------------------------------
+
+
+def conv_inputs(gen, B, N, C, W, dtype, device):
+    x = torch.randn(B, N, C, generator=gen).to(device=device, dtype=dtype)
+    weight = (torch.randn(C, W, generator=gen) / W).to(device=device, dtype=dtype)
+    bias = torch.randn(C, generator=gen).to(device=device, dtype=dtype)
+    # vLLM keeps the conv state dim-last: [slots, W-1, C] viewed as [slots, C, W-1].
+    state = torch.randn(B + 2, W - 1, C, generator=gen).to(device=device, dtype=dtype).transpose(1, 2)
+    slots = torch.randperm(B + 2, generator=gen)[:B].to(device=device, dtype=torch.int32)
+    return x, weight, bias, state, slots
+
+
+def conv_correctness(device, failed: list) -> list[str]:
+    from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit
+
+    gen = torch.Generator().manual_seed(10)
+    rows = []
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 1e-2), (torch.float16, 1e-2)):
+        for W in (2, 4):
+            B, N, C = 3, 40, 1000
+            meta = random_tree_metadata(gen, ["random", "forest", "star"], N, [40, 17, 1], W, device=device)
+            x, weight, bias, state, slots = conv_inputs(gen, B, N, C, W, dtype, device)
+            y = tree_conv1d(x, weight, bias, state, slots, meta)
+            cpu = [t.cpu() for t in (x, weight, bias, state, slots)]
+            ref = naive_tree_conv1d(*cpu, meta_on(meta, "cpu"))
+            check_row(rows, failed, f"conv {str(dtype).split('.')[-1]} W={W}", rel_err(y, ref), tol)
+            leaf = torch.tensor([39, 5, -1], device=device)
+            new_state = state.clone()
+            tree_conv1d_commit(new_state, slots, x, meta, leaf)
+            expected = naive_tree_conv1d_commit(cpu[3], cpu[4], cpu[0], meta_on(meta, "cpu"), leaf.cpu())
+            check_row(rows, failed, f"conv commit {str(dtype).split('.')[-1]} W={W} (bit-exact)",
+                      0.0 if same_bits(new_state, expected) else math.inf, 0.0)
+    return table("tree conv1d vs float64 reference", ["case", "error", "tol", "check"], rows)
+
+
+def conv_timing_table(device, args, bandwidth: float) -> list[str]:
+    from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
+
+    C, W = (64, 4) if args.smoke else (10240, 4)
+    gen = torch.Generator().manual_seed(11)
+    rows = []
+    for B in (1, 2) if args.smoke else (1, 8, 32):
+        for N in (16,) if args.smoke else (16, 32, 64, 128):
+            meta = random_tree_metadata(gen, ["random"] * B, N, [N] * B, W, device=device)
+            x, weight, bias, state, slots = conv_inputs(gen, B, N, C, W, torch.bfloat16, device)
+            out = torch.empty_like(x)
+            leaf = torch.full((B,), N - 1, device=device)
+            conv = lambda: tree_conv1d(x, weight, bias, state, slots, meta, out=out)  # noqa: E731
+            commit = lambda: tree_conv1d_commit(state, slots, x, meta, leaf)  # noqa: E731
+            floor = (2 * x.numel() * 2 + B * (W - 1) * C * 2) / bandwidth * 1e6
+            rows.append([str(B), str(N), fmt(time_eager(conv, device)), fmt(time_graph([conv], device)),
+                         fmt(floor), fmt(time_graph([commit], device))])
+    return table(f"tree conv1d, C={C}, W={W}, bf16 (us; graph = one op under a CUDA graph)",
+                 ["B", "N", "conv eager", "conv graph", "bytes floor", "commit graph"], rows)
+
+
+def conv_tile_sweep(device, args) -> list[str]:
+    """Conv time per tile configuration; the tables after it use the fastest."""
+    if device.type != "cuda" or not args.sweep:
+        return []
+    import triton_ops.tree_conv.conv as conv_module
+    from triton_ops.tree_conv.conv import launch_tree_conv1d
+
+    C = 10240
+    gen = torch.Generator().manual_seed(12)
+    configs = [(16, 256, 4), (32, 256, 4), (64, 256, 8), (8, 512, 4), (16, 512, 4), (32, 512, 8),
+               (16, 1024, 8), (64, 128, 4)]
+    rows, totals = [], [0.0] * len(configs)
+    for B, N in ((1, 64), (8, 64), (32, 128)):
+        meta = random_tree_metadata(gen, ["random"] * B, N, [N] * B, device=device)
+        x, weight, bias, state, slots = conv_inputs(gen, B, N, C, 4, torch.bfloat16, device)
+        out = torch.empty_like(x)
+        times = [time_graph([lambda tiles=tiles: launch_tree_conv1d(
+            x, weight, bias, state, slots, meta, "silu", out, *tiles)], device) for tiles in configs]
+        rows.append([str(B), str(N), *(fmt(t) for t in times)])
+        totals = [total + t for total, t in zip(totals, times)]
+    conv_module.CUDA_TILES = configs[min(range(len(configs)), key=totals.__getitem__)]
+    return table(f"tree conv tiles, C={C}, W=4, bf16 (us, graph; block_n x block_c / warps); the tables "
+                 f"use {conv_module.CUDA_TILES}",
+                 ["B", "N", *(f"{n}x{c}/{w}" for n, c, w in configs)], rows)
 
 
 def bench_conv(args) -> list[str]:
-    """Tree conv1d and its commit (tables printed by tools/bench_tree_ops.py)."""
-    import bench_tree_ops
+    device = args.device
+    sections = [
+        lambda: conv_correctness(device, args.failed),
+        lambda: conv_tile_sweep(device, args),
+        lambda: conv_timing_table(device, args, copy_bandwidth(device)),
+    ]
+    return run_sections("conv", sections, args)
 
-    bench_tree_ops.check_conv()
-    bench_tree_ops.bench_conv(bench_tree_ops.copy_bandwidth())
-    return []
+
+# --- tree attention and the tree KV commit --------------------------------------------------
+
+
+def paged_cache(gen, lengths, Hkv, D, block_size, dtype, layout, device, num_layers=1):
+    """Caches in an engine layout with random K/V at each request's [0, length)."""
+    need = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(need) + 2
+    if layout == "kv_stacked":  # FlashInfer-like [blocks, 2, bs, H, D]
+        both = torch.empty(num_layers, num_blocks, 2, block_size, Hkv, D, dtype=dtype, device=device)
+        keys, values = both[:, :, 0], both[:, :, 1]
+    elif layout == "hnd":  # [blocks, H, bs, D] seen as [blocks, bs, H, D]
+        shape = (num_layers, num_blocks, Hkv, block_size, D)
+        keys = torch.empty(shape, dtype=dtype, device=device).transpose(2, 3)
+        values = torch.empty(shape, dtype=dtype, device=device).transpose(2, 3)
+    else:
+        keys = torch.empty(num_layers, num_blocks, block_size, Hkv, D, dtype=dtype, device=device)
+        values = torch.empty_like(keys)
+    keys.normal_()
+    values.normal_()
+    table_ = torch.zeros(len(lengths), max(need), dtype=torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen)
+    for b, n in enumerate(need):
+        table_[b, :n], perm = perm[:n], perm[n:]
+    return list(keys.unbind(0)), list(values.unbind(0)), table_.to(device)
+
+
+def attention_correctness(device, smoke: bool, failed: list) -> list[str]:
+    gen = torch.Generator().manual_seed(20)
+    rows = []
+    small = [  # dtype, D, Hkv, G, prefixes, block size, layout, window, soft cap, tol
+        (torch.bfloat16, 256, 2, 3, (0, 300), 16, "hnd", None, None, 1e-2),
+        (torch.float16, 128, 1, 2, (1, 517), 32, "kv_stacked", None, 30.0, 1e-2),
+        (torch.bfloat16, 64, 2, 1, (77, 260), 16, "contiguous", 40, None, 1e-2),
+        (torch.float32, 128, 2, 3, (5, 400), 16, "contiguous", None, None, 1e-5),
+    ]
+    for dtype, D, Hkv, G, prefixes, bs, layout, window, cap, tol in small[-1:] if smoke else small:
+        N = 20
+        meta = random_tree_metadata(gen, ["random", "forest"], N, [N, 11], device=device)
+        keys, values, table_ = paged_cache(gen, [p + N for p in prefixes], Hkv, D, bs, dtype, layout, device)
+        q = torch.randn(2, N, Hkv * G, D, generator=gen).to(device=device, dtype=dtype)
+        prefix = torch.tensor(prefixes, dtype=torch.int32, device=device)
+        out = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, D**-0.5, window, cap,
+                                   backend="triton")
+        ref = naive_tree_attention(q.cpu(), keys[0].cpu(), values[0].cpu(), table_.cpu(), prefix.cpu(),
+                                   meta_on(meta, "cpu"), D**-0.5, window, cap)
+        check_row(rows, failed, f"attention {str(dtype).split('.')[-1]} D={D} G={G} {layout} "
+                  f"window={window} cap={cap}", rel_err(out, ref), tol)
+    if not smoke:
+        for prefixes, N, window in (((1000, 4097), 64, None), ((8000, 3), 128, 1024), ((32768, 5), 128, None)):
+            meta = random_tree_metadata(gen, ["random", "forest"], N, [N, N // 2], device=device)
+            keys, values, table_ = paged_cache(gen, [p + N for p in prefixes], 4, 256, 16, torch.bfloat16,
+                                               "hnd", device)
+            q = torch.randn(2, N, 24, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+            prefix = torch.tensor(prefixes, dtype=torch.int32, device=device)
+            out = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, 256**-0.5, window)
+            ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix,
+                                       meta, 256**-0.5, window, backend="torch")
+            check_row(rows, failed, f"attention 24/4 heads D=256 prefixes={prefixes} N={N} window={window} "
+                      "vs torch fp32", rel_err(out, ref), 1e-2)
+    for layout in ("contiguous", "kv_stacked", "hnd"):
+        N = 16 if smoke else 64
+        meta = random_tree_metadata(gen, ["random", "forest", "random"], N, [N, N // 2, 1], device=device)
+        prefixes = (100, 7, 0)
+        keys, values, table_ = paged_cache(gen, [p + N for p in prefixes], 2 if smoke else 4,
+                                           32 if smoke else 256, 16, torch.bfloat16, layout, device, 4)
+        prefix = torch.tensor(prefixes, dtype=torch.int32, device=device)
+        leaf = torch.tensor([N - 1, N // 2 - 1, 0], device=device)
+        ref_k, ref_v = [k.cpu() for k in keys], [v.cpu() for v in values]
+        naive_tree_kv_commit(ref_k, ref_v, table_.cpu(), prefix.cpu(), meta_on(meta, "cpu"), leaf.cpu())
+        tree_kv_commit(keys, values, table_, prefix, meta, leaf, backend="triton")
+        ok = all(same_bits(a, b) for a, b in zip(keys + values, ref_k + ref_v))
+        check_row(rows, failed, f"kv commit {layout} (bit-exact)", 0.0 if ok else math.inf, 0.0)
+    return table("tree attention vs float64 reference (small) and the PyTorch path (model shapes); "
+                 "tree KV commit vs naive", ["case", "error", "tol", "check"], rows)
+
+
+def sdpa_inputs(q, keys, values, table_, prefixes, meta, N):
+    """Contiguous [B, Hq, L, D] K/V (GQA expanded) and the dense bool mask SDPA needs."""
+    B, _, Hq, D = q.shape
+    device = q.device
+    L = max(prefixes) + N
+    pos = torch.arange(L, device=device)
+    blk = table_.long()[:, (pos // keys.shape[1]).clamp(max=table_.shape[1] - 1)]
+    group = Hq // keys.shape[2]
+    k = keys[blk, pos % keys.shape[1]].transpose(1, 2).repeat_interleave(group, 1)
+    v = values[blk, pos % keys.shape[1]].transpose(1, 2).repeat_interleave(group, 1)
+    prefix = torch.tensor(prefixes, device=device).view(B, 1, 1)
+    rel = pos.view(1, 1, L) - prefix
+    tree = torch.gather(meta.ancestors, 2, rel.clamp(0, N - 1).expand(B, N, L))
+    mask = (rel < 0) | (tree & (rel < N))
+    return q.transpose(1, 2), k, v, mask.unsqueeze(1)
+
+
+def attention_timing_table(device, args, bandwidth: float, flops: float) -> list[str]:
+    from triton_ops.tree_attention.attention import kernel_config
+
+    Hq, Hkv, D = (4, 2, 32) if args.smoke else (24, 4, 256)
+    gen = torch.Generator().manual_seed(21)
+    shapes = [(1, 16, 1024)] if args.smoke else [
+        (1, 16, 32768), (1, 32, 32768), (1, 64, 32768), (1, 128, 32768), (1, 64, 8192), (1, 64, 1024),
+        (8, 64, 32768), (8, 128, 32768), (8, 128, 1024), (32, 64, 8192),
+    ]
+    rows = []
+    for B, N, prefix_len in shapes:
+        keys, values, table_ = paged_cache(gen, [prefix_len + N] * B, Hkv, D, 16, torch.bfloat16, "hnd", device)
+        meta = random_tree_metadata(gen, ["random"] * B, N, [N] * B, device=device)
+        q = torch.randn(B, N, Hq, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+        prefix = torch.full((B,), prefix_len, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        run = lambda: paged_tree_attention(  # noqa: E731
+            q, keys[0], values[0], table_, prefix, meta, D**-0.5, out=out)
+        ours, ours_graph = time_eager(run, device), time_graph([run], device)
+        sdpa = float("nan")
+        if not args.skip_baselines and device.type == "cuda":
+            sq, sk, sv, mask = sdpa_inputs(q, keys[0], values[0], table_, [prefix_len] * B, meta, N)
+            sdpa = guarded("sdpa", lambda: time_eager(lambda: torch.nn.functional.scaled_dot_product_attention(
+                sq, sk, sv, attn_mask=mask, scale=D**-0.5), device))
+            del sq, sk, sv, mask
+        L = prefix_len + N
+        bytes_floor = B * L * Hkv * D * 2 * 2 / bandwidth * 1e6
+        flops_floor = 4 * B * Hq * N * L * D / flops * 1e6
+        splits = kernel_config(q, Hkv).num_splits
+        rows.append([str(B), str(N), str(prefix_len), str(splits), fmt(ours), fmt(ours_graph), fmt(sdpa),
+                     fmt(bytes_floor), fmt(flops_floor), fmt(ours_graph / max(bytes_floor, flops_floor), 2),
+                     fmt(sdpa / ours_graph, 2)])
+        del keys, values
+    return table(
+        f"tree attention, {Hq} q / {Hkv} kv heads, D={D}, bf16, block 16, HND cache (us; bytes floor = K/V "
+        f"read once / {fmt(bandwidth / 1e12, 2)} TB/s; compute floor = 4 B Hq N L D / "
+        f"{fmt(flops / 1e12, 0)} TFLOP/s)",
+        ["B", "N", "prefix", "splits", "ours eager", "ours graph", "SDPA", "bytes floor", "compute floor",
+         "graph / floor", "SDPA / ours"],
+        rows,
+    )
+
+
+def attention_config_sweep(device, args) -> list[str]:
+    """Split-kernel tiles and split counts at B = 1, prefix 32k; the tables use the fastest tiles."""
+    if device.type != "cuda" or not args.sweep:
+        return []
+    import triton_ops.tree_attention.attention as attention_module
+    from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention
+
+    gen = torch.Generator().manual_seed(22)
+    candidates = [(128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2),
+                  (128, 16, 8, 3), (64, 32, 8, 3)]
+    rows, totals = [], {}
+    for N in (64, 128):
+        prefix_len = 32768
+        meta = random_tree_metadata(gen, ["random"], N, [N], device=device)
+        keys, values, table_ = paged_cache(gen, [prefix_len + N], 4, 256, 16, torch.bfloat16, "hnd", device)
+        q = torch.randn(1, N, 24, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
+        prefix = torch.tensor([prefix_len], dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        ref = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, 1 / 16)
+        default_tiles = attention_module.CUDA_TILES
+        for tiles in candidates:
+            attention_module.CUDA_TILES = tiles
+            base = kernel_config(q, 4)
+            attention_module.CUDA_TILES = default_tiles
+            for splits in sorted({base.num_splits, max(1, base.num_splits // 2), 2 * base.num_splits}):
+                config = KernelConfig(*tiles, 4 * tiles[1], splits)
+                run = lambda: launch_tree_attention(q, keys[0], values[0], table_, prefix, meta,  # noqa: E731
+                                                    1 / 16, None, None, out, config)
+                try:
+                    kernel = run()
+                    us = time_graph([run], device)
+                    err = rel_err(out, ref)
+                    build = f"{kernel.n_regs}/{kernel.n_spills}"
+                except Exception as exc:  # noqa: BLE001 - a config may not fit in shared memory
+                    us, err, build = float("nan"), float("nan"), type(exc).__name__
+                if splits == base.num_splits:
+                    totals[tiles] = totals.get(tiles, 0.0) + us
+                rows.append([str(N), "x".join(map(str, tiles)), str(splits),
+                             "*" if splits == base.num_splits else "", fmt(us), build, fmt_err(err)])
+    finite = {t: v for t, v in totals.items() if math.isfinite(v)}
+    if finite:
+        attention_module.CUDA_TILES = min(finite, key=finite.__getitem__)
+    return table(f"tree attention split-kernel configurations, B=1, prefix 32k (us, graph; * = the "
+                 f"heuristic's split count; tables use {attention_module.CUDA_TILES})",
+                 ["N", "m x n x warps x stages", "splits", "", "graph", "regs/spills", "diff to default"],
+                 rows)
+
+
+def kv_commit_table(device, args, bandwidth: float) -> list[str]:
+    layers, Hkv, D = (2, 2, 32) if args.smoke else (16, 4, 256)
+    gen = torch.Generator().manual_seed(23)
+    rows = []
+    for B in (1, 8):
+        N = 64
+        # Path 0, 1, 3, 5, ..., 29 (even nodes hang off the root): nodes 3..29 move.
+        parents = torch.full((B, N), -1, dtype=torch.int32)
+        parents[:, 1::2] = torch.arange(-1, N - 2, 2, dtype=torch.int32).clamp(min=0)
+        parents[:, 2::2] = 0
+        meta = build_tree_metadata(parents.to(device), None, 4)
+        keys, values, table_ = paged_cache(gen, [4096 + N] * B, Hkv, D, 16, torch.bfloat16, "contiguous",
+                                           device, layers)
+        prefix = torch.full((B,), 4096, dtype=torch.int32, device=device)
+        leaf = torch.full((B,), 29, device=device)
+        run = lambda: tree_kv_commit(keys, values, table_, prefix, meta, leaf)  # noqa: E731
+        floor = B * 14 * layers * Hkv * D * 2 * 2 * 2 / bandwidth * 1e6
+        rows.append([str(B), fmt(time_eager(run, device)), fmt(time_graph([run], device)), fmt(floor, 2)])
+    return table(f"tree KV commit, {layers} attention layers, {Hkv} kv heads, D={D}, bf16, 14 moved rows "
+                 "per request (us)", ["B", "eager", "graph", "bytes floor"], rows)
 
 
 def bench_attention(args) -> list[str]:
-    """Tree attention and the KV commit (tables printed by tools/bench_tree_ops.py)."""
-    import bench_tree_ops
+    device = args.device
+    sections = [
+        lambda: attention_correctness(device, args.smoke, args.failed),
+        lambda: attention_config_sweep(device, args),
+        lambda: kv_commit_table(device, args, copy_bandwidth(device)),
+        lambda: attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device)),
+    ]
+    return run_sections("attn", sections, args)
 
-    bandwidth = bench_tree_ops.copy_bandwidth()
-    bench_tree_ops.check_attention()
-    bench_tree_ops.bench_kv_commit(bandwidth)
-    bench_tree_ops.bench_attention(bandwidth, bench_tree_ops.matmul_rate(),
-                                   with_sdpa=not args.skip_baselines)
-    return []
+
+# --- driver -----------------------------------------------------------------------------------
+
+
+def run_sections(family: str, sections: list, args) -> list[str]:
+    """Run each section, print its lines as it finishes; one broken section (a compiler
+    error, say) is reported and must not hide the others' tables."""
+    lines = []
+    for section in sections:
+        try:
+            part = section()
+        except Exception as exc:  # noqa: BLE001 - reported, counted as a failure
+            part = [f"{family}: section failed: {type(exc).__name__}: {exc}"[:400], ""]
+            args.failed.append(f"{family} section")
+        print("\n".join(part), flush=True)
+        lines += part
+    return lines
 
 
 FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention}
@@ -383,8 +784,11 @@ def main() -> int:
     parser.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {sorted(FAMILIES)}")
     parser.add_argument("--out", type=Path, help="also write the tables to this file")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (TRITON_INTERPRET=1)")
-    parser.add_argument("--skip-baselines", action="store_true", help="skip the baselines (GDN: recurrent and fla rows; attention: SDPA)")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="stop starting new timings after this")
+    parser.add_argument("--sweep", action="store_true", help="add the launch-configuration sweeps")
+    parser.add_argument("--skip-baselines", action="store_true",
+                        help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="GDN: stop starting new timings after this many seconds")
     args = parser.parse_args()
     only = [name for name in args.only.split(",") if name]
     unknown = sorted(set(only) - set(FAMILIES))
@@ -394,8 +798,9 @@ def main() -> int:
         parser.error("--smoke runs the kernels interpreted: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
+    args.device = torch.device("cpu" if args.smoke else "cuda")
     args.failed = []
-    args.started = time.monotonic()
+    started = time.monotonic()
     lines = []
     if not args.smoke:
         import triton
@@ -404,14 +809,12 @@ def main() -> int:
         print(lines[-1], flush=True)
     for name in only:
         lines += FAMILIES[name](args)
-    lines.append(f"total {time.monotonic() - args.started:.0f} s")
+    lines.append(f"total {time.monotonic() - started:.0f} s; "
+                 + (f"CORRECTNESS FAILED: {args.failed}" if args.failed else "all checks ok"))
     print(lines[-1])
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")
-    if args.failed:
-        print(f"CORRECTNESS FAILED: {args.failed}")
-        return 1
-    return 0
+    return 1 if args.failed else 0
 
 
 if __name__ == "__main__":

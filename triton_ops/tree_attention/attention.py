@@ -45,9 +45,10 @@ from triton_ops.utils import (
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
 # (block_m, block_n, num_warps, num_stages) of the split kernel on CUDA: the fastest
-# of the H200 sweep in tools/bench_tree_ops.py at D=256, B=1, N=64, prefix 32k
+# of the H200 sweep in tools/bench_kernels.py --sweep at D=256, B=1, N=64, prefix 32k
 # (234 us; 64x32 tiles with 4 warps: 238 us; the first 64x64 tiles: 353 us).
 CUDA_TILES = (128, 32, 8, 2)
+MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -248,9 +249,19 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
     block_m, block_n, num_warps, num_stages = CUDA_TILES
     programs_per_split = B * num_kv_heads * triton.cdiv(rows, block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    # About two waves of programs at long prefixes; short ones leave splits idle.
-    num_splits = max(1, min(64, triton.cdiv(2 * num_sms * 64 // block_m, programs_per_split)))
+    num_splits = split_count(programs_per_split, num_sms)
     return KernelConfig(block_m, block_n, num_warps, num_stages, 4 * block_n, num_splits)
+
+
+def split_count(programs_per_split: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
+    """Prefix splits that finish a long prefix soonest: with one program per SM at a
+    time (the 128-row tiles fill an SM's registers), S splits of a prefix of L keys
+    take ``ceil(P S / num_sms)`` waves of ``L / S`` keys each. The smallest S of the
+    least cost wins (fewer partials to merge); short prefixes leave splits idle."""
+    def cost(splits: int) -> float:
+        return math.ceil(programs_per_split * splits / num_sms) / splits
+
+    return min(range(1, max_splits + 1), key=lambda splits: (cost(splits), splits))
 
 
 def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,

@@ -24,7 +24,7 @@ from triton_ops.utils import (
 )
 
 ACTIVATIONS = ("silu", None)
-# (block_n, block_c, num_warps) of the conv kernel; tools/bench_tree_ops.py sweeps them.
+# (block_n, block_c, num_warps) of the conv kernel; tools/bench_kernels.py --sweep sweeps them.
 CUDA_TILES = (16, 256, 4)
 
 
