@@ -4,7 +4,8 @@ vLLM captures CUDA graphs by default; graphs captured without a tree step hold t
 kernels, so tree steps must never replay them. Runs `tools/gpu_e2e.py` (one engine per
 configuration) and requires greedy output equal to no speculation (up to bf16 ties), every
 tree kernel to have run, and no tree step to have replayed a graph. Needs a CUDA GPU and
-vLLM importable there: on the H200, through the device tool and shared/gpu-vllm,
+vLLM importable there: on the H200, through the device tool and tools/gpu_vllm (payload
+built with VLLM_VERSION=0.32.0 or 0.33.0; the report's header names the version that ran),
 
     bash .gpu-vllm/setup.sh && PYTHONPATH=/tmp/vsrc:/tmp/site:$PWD \\
         python3 -m pytest -q -m gpu tests/test_gpu_graphs.py

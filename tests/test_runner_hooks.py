@@ -1,10 +1,12 @@
-"""Model-runner hooks that need no engine: which steps may replay CUDA graphs."""
+"""Model-runner hooks that need no engine: which steps may replay CUDA graphs, what a new
+runner inherits."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from vllm_tfm.vllm_glue.runner import wrap_determine_batch_execution_and_padding
+from vllm_tfm.vllm_glue import tree_step
+from vllm_tfm.vllm_glue.runner import wrap_determine_batch_execution_and_padding, wrap_init
 
 
 def _dispatch(runner) -> bool:
@@ -36,3 +38,13 @@ def test_only_tree_steps_are_forced_eager(options, step, eager):
 
 def test_a_runner_without_plugin_state_is_untouched():
     assert _dispatch(SimpleNamespace()) is False
+
+
+def test_a_new_runner_drops_the_tree_step_a_failed_forward_left_active():
+    """Seen on the H200: a tree step whose forward raised stayed active, and the next engine
+    of the process (vLLM's own dflash) ran the tree path while capturing its CUDA graphs."""
+    tree_step.activate(SimpleNamespace(has_trees=True))
+    init = wrap_init(lambda self, vllm_config, device: None)
+    not_tree = SimpleNamespace(additional_config=None, speculative_config=None)
+    init(SimpleNamespace(), not_tree, "cpu")
+    assert tree_step.active() is None

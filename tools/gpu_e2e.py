@@ -1,11 +1,12 @@
-"""dflash_tfm end to end on a CUDA GPU inside vLLM 0.32 (shared/gpu-vllm harness).
+"""dflash_tfm end to end on a CUDA GPU inside vLLM 0.32's or 0.33's Python code (tools/gpu_vllm).
 
     python tools/gpu_e2e.py build DIR                 # models; any machine (CPU is fine)
     python tools/gpu_e2e.py run --models DIR --out OUT [--max-tokens 48] [--deadline-s 330]
                                 [--cudagraphs off|full-decode|default]
 
 On the lent H200 (device call carrying [".gpu-vllm", DIR], payload from
-shared/gpu-vllm/build_payload.sh; the whole table took ~290 s of one call):
+`VLLM_VERSION=0.33.0 bash tools/gpu_vllm/build_payload.sh .gpu-vllm`, or 0.32.0; the whole
+table took ~290 s of one call on 0.32):
 
     bash .gpu-vllm/setup.sh && PYTHONPATH=/tmp/vsrc:/tmp/site:$PWD \
         python3 tools/gpu_e2e.py run --models DIR --out $OUT --deadline-s 240

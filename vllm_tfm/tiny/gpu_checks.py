@@ -25,8 +25,8 @@ from vllm_tfm.tiny.launch_counts import (
 )
 
 HARNESS_LIMITS = (
-    "Harness limits: vLLM 0.32's Python code on torch 2.11 without its compiled ops "
-    "(shared/gpu-vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
+    "Harness limits: vLLM's Python code (the version in the header) on torch 2.11 without "
+    "its compiled ops (tools/gpu_vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
     "norms/RoPE/SiLU in pure torch, model runner V1, tiny random models (hidden 256, 8 layers, "
     "random drafter and Weaver: acceptance is low). Timings are functional, not performance."
 )

@@ -64,6 +64,9 @@ def _report_fault(stage: str, req_ids, consequence: str) -> None:
 def wrap_init(original):
     @functools.wraps(original)
     def __init__(self, vllm_config, device, *args, **kwargs):
+        # A target forward that raised left its tree step active (the commit clears
+        # it): no runner made after it in this process (any engine's) may see it.
+        tree_step_module.activate(None)
         original(self, vllm_config, device, *args, **kwargs)
         self._tfm_options = tfm_options(vllm_config)
         if self._tfm_options is None:
