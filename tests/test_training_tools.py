@@ -20,6 +20,7 @@ from vllm_tfm.training import (
     data,
     dflash,
     eval_acceptance,
+    generate_features,
     target,
     train_dflash,
     train_family,
@@ -281,14 +282,21 @@ def test_dflash_and_weaver_losses_fall_on_a_tiny_batch():
 
 # -- the tools end to end -------------------------------------------------------------------
 
-DATA_ARGS = ["--num-seqs", "6", "--heldout-seqs", "3", "--prompt-len", "8", "--new-tokens", "24"]
+@pytest.fixture(scope="module")
+def features_dir(family, tmp_path_factory):
+    """Features of 6 training and 3 held-out continuations of the random tiny target."""
+    out = tmp_path_factory.mktemp("features") / "features"
+    generate_features.main(["--out", str(out), "--num-seqs", "6", "--heldout-seqs", "3",
+                            "--prompt-len", "8", "--new-tokens", "24", "--shard-seqs", "4",
+                            "--device", "cpu"])
+    return out
 
 
 @pytest.fixture(scope="module")
-def trained(family, tmp_path_factory):
+def trained(family, features_dir, tmp_path_factory):
     """train_dflash: 4 steps in one run, and 2 + 2 steps in a resumed run."""
     root = tmp_path_factory.mktemp("tools")
-    common = [*DATA_ARGS, "--data", str(root / "data.pt"), "--batch", "2", "--anchors", "2",
+    common = ["--features", str(features_dir), "--batch", "2", "--anchors", "2",
               "--eval-every", "0", "--save-every", "2", "--device", "cpu"]
     whole = train_dflash.main(["--out", str(root / "whole"), "--steps", "4", *common])
     first = train_dflash.main(["--out", str(root / "split"), "--steps", "2", *common])
@@ -304,21 +312,25 @@ def test_train_dflash_writes_a_loadable_drafter_and_resumes(family, trained):
     assert set(whole.state_dict()) == set(tiny_family.dflash_state_dict())
     assert (root / "whole.ckpt").is_file() and not (root / "whole" / "whole.ckpt").exists()
     assert [h["step"] for h in trained["whole"]["history"]] == [0, 4]
-    # The resumed run did not start over: no step-0 evaluation, and it ends where the
+    # The resumed run did not start over: it continues the saved history (no second
+    # step-0 evaluation) and the loss curve, and it ends where the
     # uninterrupted run ends, weight for weight.
-    assert [h["step"] for h in trained["resumed"]["history"]] == [4]
+    assert [h["step"] for h in trained["resumed"]["history"]] == [0, 2, 4]
     assert trained["resumed"]["step"] == 4
+    curves = json.loads((root / "split.training.json").read_text())
+    assert [step for step, _ in curves["losses"]] == [1, 2, 3, 4]
+    assert (root / "split.training.png").is_file()
     for key, value in whole.state_dict().items():
         assert torch.equal(value, split.state_dict()[key]), key
     assert any(not torch.equal(v, start.state_dict()[k]) for k, v in whole.state_dict().items())
     assert all(math.isfinite(h["heldout_loss"]) for h in trained["whole"]["history"])
 
 
-def test_train_weaver_writes_both_formats(family, trained):
+def test_train_weaver_writes_both_formats(family, features_dir, trained):
     root = trained["root"]
     summary = train_weaver.main([
-        "--dflash", str(root / "whole"), "--out", str(root / "weaver"), *DATA_ARGS,
-        "--data", str(root / "data.pt"), "--steps", "2", "--batch", "2", "--anchors", "2",
+        "--dflash", str(root / "whole"), "--out", str(root / "weaver"),
+        "--features", str(features_dir), "--steps", "2", "--batch", "2", "--anchors", "2",
         "--eval-every", "0", "--eval-budget", "8", "--device", "cpu",
     ])
     directory = load_weaver(root / "weaver", target_hidden_size=tiny_family.HIDDEN)
@@ -347,8 +359,8 @@ def test_train_family_smoke_run_writes_a_family_that_loads(family, tmp_path):
     out = tmp_path / "family"
     manifest = train_family.main(["--out", str(out), "--work", str(tmp_path / "work"),
                                   "--base", str(family.root), "--smoke", "--device", "cpu"])
-    assert set(manifest["recipe"]) == {"target", "dflash", "weaver"}
-    assert set(manifest["results"]) == {"target", "dflash", "weaver"}
+    assert set(manifest["recipe"]) == {"target", "features", "dflash", "weaver"}
+    assert set(manifest["results"]) == {"target", "features", "dflash", "weaver"}
     assert manifest["data"]["heldout_modules"] == list(data.HELDOUT_MODULES)
     loaded = tiny_family.trained_family(out)
     assert (loaded.target / "model.safetensors").is_file()

@@ -238,11 +238,11 @@ class StoredFeatures:
         return self.train.seq_len
 
     def check_drafter(self, layer_ids: Sequence[int], block_size: int) -> None:
-        """The features must hold the drafter's layers and room for one block after
-        the prompt."""
+        """The features must hold the drafter's layers, and room after the prompt for one
+        block and the token after it (the bonus that acceptance estimates verify)."""
         if tuple(layer_ids) != self.train.layer_ids:
             raise ValueError(f"the drafter reads target layers {list(layer_ids)} but the "
                              f"features hold layers {list(self.train.layer_ids)}")
-        if self.seq_len - self.prompt_len < block_size:
+        if self.seq_len - self.prompt_len <= block_size:
             raise ValueError(f"features continue prompts by {self.seq_len - self.prompt_len} "
-                             f"tokens; training needs at least the block size {block_size}")
+                             f"tokens; training needs more than the block size {block_size}")

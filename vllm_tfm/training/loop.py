@@ -130,6 +130,11 @@ class Runtime:
         return values
 
 
+def is_main_process() -> bool:
+    """False on every torchrun process but rank 0."""
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def setup_runtime(device: str, threads: int) -> Runtime:
     """The device (`setup_device`) and, under torchrun (WORLD_SIZE > 1), the process
     group: NCCL with one GPU per process (cuda:LOCAL_RANK) on CUDA, gloo on CPU."""

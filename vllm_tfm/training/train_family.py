@@ -20,9 +20,10 @@ checkpoint in --work:
 --base defaults to the tiny family built on this machine (vllm_tfm/tiny/family.py); give a
 copy of it when the machine's standard library differs from the one it was built from (the
 tokenizer is trained on standard-library files). `--smoke` shrinks every stage to a few
-steps (a test of the pipeline, not a model). The recipe takes about 14 minutes on one
-H200; the data are the machine's own standard library, so a different Python gives a
-different (equally valid) family.
+steps (a test of the pipeline, not a model). Under torchrun every stage runs on all
+processes (vllm_tfm/training/loop.py). The recipe takes about 14 minutes on one H200;
+the data are the machine's own standard library, so a different Python gives a different
+(equally valid) family.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from vllm_tfm.tiny import family as tiny_family
 from vllm_tfm.training import data
+from vllm_tfm.training.loop import is_main_process
 
 STAGES = ("target", "features", "dflash", "weaver", "manifest")
 
@@ -72,6 +74,7 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool) -> dict[
         "features": [
             "--target", str(out / "target"), "--dflash", str(base / "dflash"),
             "--out", features, "--num-seqs", size(8192, 8), "--heldout-seqs", size(64, 4),
+            "--prompt-len", size(32, 8), "--new-tokens", size(96, 20),
             "--shard-seqs", size(1024, 4), "--batch", size(1024, 4), "--device", device,
         ],
         "dflash": [
@@ -138,12 +141,13 @@ def main(argv: list[str] | None = None) -> dict:
     results = json.loads(results_path.read_text()) if results_path.is_file() else {}
     for name in args.stages:
         if name == "manifest":
-            return write_manifest(out, stages, results)
+            return write_manifest(out, stages, results) if is_main_process() else {}
         tool = importlib.import_module(f"vllm_tfm.training.{stage_module(name)}")
         summary = tool.main(stages[name])
         results[name] = {k: v for k, v in summary.items() if k not in ("out", "public_out")}
-        work.mkdir(parents=True, exist_ok=True)
-        results_path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+        if is_main_process():
+            work.mkdir(parents=True, exist_ok=True)
+            results_path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     return results
 
 
