@@ -59,6 +59,10 @@ def _whole_vocabulary(layer) -> torch.Tensor:
     return weight[: layer.org_vocab_size]
 
 
+def _contiguous(value):
+    return value.contiguous() if isinstance(value, torch.Tensor) else value
+
+
 class TreeProposer(DFlashProposer):
     def __init__(self, vllm_config, device, runner, options: TfmOptions):
         super().__init__(vllm_config, device, runner)
@@ -178,7 +182,8 @@ class TreeProposer(DFlashProposer):
             except Exception:
                 group.broadcast_tensor_dict({"failed": True}, src=0)
                 raise
-            fields = {field.name: getattr(trees, field.name)
+            # Collectives need contiguous tensors (strided node columns arrived scrambled).
+            fields = {field.name: _contiguous(getattr(trees, field.name))
                       for field in dataclasses.fields(trees)}
             group.broadcast_tensor_dict({"failed": False, **fields}, src=0)
             return trees

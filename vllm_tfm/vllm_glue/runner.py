@@ -231,6 +231,7 @@ def _adopt_first_rank_result(step, output) -> None:
     """
     group = get_tp_group()
     if group.world_size > 1:
+        step.accepted_leaf = step.accepted_leaf.contiguous()  # received in place
         group.broadcast(output.sampled_token_ids, src=0)
         group.broadcast(step.accepted_leaf, src=0)
 
