@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -254,17 +255,24 @@ class Job:
 @dataclass
 class TrainingRun:
     """What `train` did: the last step, the last training loss, the seconds spent in the
-    loop, the evaluations (each a dict with its "step") and [step, loss] per step."""
+    loop, the evaluations (each a dict with its "step"), [step, loss] per step, and the
+    wall seconds of each optimiser step this run made (evaluation and saving excluded)."""
 
     step: int
     train_loss: float
     seconds: float
     history: list[dict] = field(default_factory=list)
     losses: list[list[float]] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
 
     def summary(self, **fields) -> dict:
+        """`fields`, then the run's numbers; seconds_per_step is the median over this run's
+        steps after the first (which allocates and warms up)."""
+        timed = self.step_seconds[1:] or self.step_seconds
         return {**fields, "step": self.step, "train_loss": self.train_loss,
-                "seconds": self.seconds, "history": self.history}
+                "seconds": self.seconds,
+                "seconds_per_step": statistics.median(timed) if timed else None,
+                "history": self.history}
 
 
 def _parts(batch: dict[str, torch.Tensor], total: int, runtime: Runtime, accumulate: int):
@@ -326,6 +334,7 @@ def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path)
                disable=not runtime.is_main)
     step = start
     while step < args.steps:
+        step_started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         tally = None
         micro_batches = list(_parts(job.sample(step), args.batch, runtime, args.accumulate))
@@ -343,7 +352,8 @@ def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path)
         optimizer.step()
         scheduler.step()
         step += 1
-        means = runtime.mean(tally / args.accumulate).tolist()
+        means = runtime.mean(tally / args.accumulate).tolist()  # waits for the device
+        run.step_seconds.append(time.perf_counter() - step_started)
         run.losses.append([step, means[0]])
         bar.update(1)
         bar.set_postfix(loss=f"{means[0]:.3f}",

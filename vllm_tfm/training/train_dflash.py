@@ -13,7 +13,8 @@ w_k = exp(-(k-1)/7). AdamW, warm-up + cosine; bf16 autocast on CUDA.
 
 Reads the feature directory of tools/generate_features.py (the target itself is never
 loaded: only its embedding and LM head, from the directory). --init is the drafter to
-start from and the source of its config (default: the tiny family's random drafter). The
+start from and the source of its config (default: the tiny family's random drafter); a
+directory holding only config.json starts from a seeded random initialisation. The
 output directory (config.json + bf16 model.safetensors, vLLM's names) loads with vLLM's
 `dflash` method. Resumable (`<out>.ckpt`): a rerun with the same --out continues, up to
 the new --steps. Every --eval-every steps the held-out chain tau (greedy, exact on greedy
@@ -31,7 +32,13 @@ import torch
 from torch import nn
 
 from vllm_tfm.training.acceptance import Drafters, greedy_tau
-from vllm_tfm.training.dflash import DFlashDrafter, block_loss, sample_anchors
+from vllm_tfm.training.dflash import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    DFlashDrafter,
+    block_loss,
+    sample_anchors,
+)
 from vllm_tfm.training.features import FeatureSplit, StoredFeatures, TargetHead
 from vllm_tfm.training.loop import (
     Job,
@@ -48,7 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="drafter directory to write")
     parser.add_argument("--features", required=True,
                         help="feature directory (tools/generate_features.py)")
-    parser.add_argument("--init", help="drafter directory to start from (default: tiny family)")
+    parser.add_argument("--init", help="drafter directory to start from; a config.json alone "
+                        "starts from random weights (default: tiny family)")
     parser.add_argument("--anchors", type=int, default=8, help="blocks per sequence")
     add_run_args(parser, steps=1500, lr=1e-3, weight_decay=0.01, warmup=50, save_every=250,
                  batch=16)
@@ -72,6 +80,16 @@ class BlockObjective(nn.Module):
         return loss, {"top1_k1": correct[0]}
 
 
+def initial_drafter(init: str, target_hidden_size: int, seed: int) -> DFlashDrafter:
+    """The drafter of `init`: its weights, or (config.json alone) a seeded initialisation."""
+    directory = Path(init)
+    if (directory / WEIGHTS_FILE).is_file() or not (directory / CONFIG_FILE).is_file():
+        return DFlashDrafter.load(directory, target_hidden_size)
+    config = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    torch.manual_seed(seed)
+    return DFlashDrafter(config, target_hidden_size)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     fill_family_defaults(args, init="dflash")
@@ -80,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = runtime.device
     stored = StoredFeatures.load(args.features, device, runtime.frozen_dtype)
     head, held = stored.head, stored.heldout
-    drafter = DFlashDrafter.load(args.init, head.hidden_size).to(device)
+    drafter = initial_drafter(args.init, head.hidden_size, args.seed).to(device)
     block = drafter.block_size
     stored.check_drafter(drafter.target_layer_ids, block)
     anchor_range = (stored.prompt_len, stored.seq_len - block)
