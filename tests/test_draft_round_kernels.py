@@ -5,12 +5,16 @@ import torch
 
 from triton_ops.testing import rel_err
 from triton_ops.weaver_step import (
+    ExpandBatch,
+    Frontier,
+    GrowingTree,
+    extend_paths,
     naive_node_attention,
     naive_rms_norm,
-    naive_take_top,
     node_attention,
+    pop_frontier,
+    push_children,
     rms_norm,
-    take_top,
 )
 
 BACKENDS = ["triton", "torch"]
@@ -30,36 +34,129 @@ def test_rms_norm_matches_float64(backend, shape, dtype, gen):
     assert rel_err(got, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-def _rows_with_ties(gen, n, width):
-    # Coarse values make ties; -inf entries stand for padding rows and spent slots.
-    values = torch.randint(-3, 3, (n, width), generator=gen).float()
-    values[torch.rand(n, width, generator=gen) < 0.3] = float("-inf")
-    values[0] = float("-inf")  # a row of padding only
-    return values
+def _frontier(gen, R, C):
+    # Coarse scores make ties; -inf entries stand for empty and spent columns.
+    score = torch.randint(-3, 3, (R, C), generator=gen).float()
+    score[torch.rand(R, C, generator=gen) < 0.3] = float("-inf")
+    score[0, : C // 2] = float("-inf")  # a request whose frontier runs dry
+    return Frontier(score, torch.randint(0, 50, (R, C), generator=gen),
+                    torch.randint(0, 5, (R, C), generator=gen),
+                    torch.randint(0, 6, (R, C), generator=gen), torch.randn(R, C, generator=gen))
+
+
+def _tree(gen, R, N):
+    def poisoned(dtype):
+        return torch.full((R, N + 1), -7, dtype=dtype)
+
+    num = torch.randint(1, 4, (R,), generator=gen)
+    return GrowingTree(poisoned(torch.int64), poisoned(torch.int64), poisoned(torch.int64),
+                       poisoned(torch.float32), num)
+
+
+def _copy(state):
+    return type(state)(*(t.clone() for t in state))
+
+
+def _equal_state(a, b, drop_last_column=False):
+    for x, y in zip(a, b):
+        if drop_last_column and x.dim() == 2:  # the scratch column is free to differ
+            x, y = x[:, :-1], y[:, :-1]
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("R,C,count,max_depth", [(1, 1, 1, 3), (3, 17, 5, 4), (4, 600, 32, 2)])
+def test_pop_frontier_matches_the_sorting_reference(R, C, count, max_depth, gen):
+    frontier, tree = _frontier(gen, R, C), _tree(gen, R, count + 4)
+    outs = []
+    for backend in BACKENDS:
+        f, t = _copy(frontier), _copy(tree)
+        batch = pop_frontier(f, t, count, max_depth, backend=backend)
+        outs.append((f, t, batch))
+    (f1, t1, b1), (f2, t2, b2) = outs
+    _equal_state(f1, f2)
+    _equal_state(t1, t2, drop_last_column=True)
+    real = b2.score > float("-inf")  # dry rows' other fields are free
+    assert torch.equal(b1.score, b2.score)
+    for x, y in zip(b1, b2):
+        assert torch.equal(x[real], y[real])
+    assert (b1.node[~real] == -1).all()
+    # Brute force: the popped columns are the stable sort's first ``count``.
+    for r in range(R):
+        row = frontier.score[r].tolist()
+        order = sorted(range(C), key=lambda c: (-row[c], c))[:count]
+        assert b1.score[r].tolist() == [row[c] for c in order]
+        taken = [c for c in order if row[c] > float("-inf")]
+        assert int(t1.num[r] - tree.num[r]) == len(taken)
+        assert (f1.score[r, order] == float("-inf")).all()
+
+
+@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3),
+                                              (3, 4, 130, 8, 5)])
+def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
+    rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()
+    rows[torch.rand(R, w, P, generator=gen) < 0.2] = float("-inf")
+    pool_ids = torch.randint(0, 100, (R, D, P), generator=gen)
+    node = torch.randint(-1, 6, (R, w), generator=gen)
+    batch = ExpandBatch(node, torch.zeros_like(node), torch.zeros_like(node),
+                        torch.randint(0, D + 1, (R, w), generator=gen), torch.randn(R, w))
+    start = 3
+    frontier = _frontier(gen, R, start + w * children + 2)
+    results = []
+    for backend in BACKENDS:
+        f = _copy(frontier)
+        push_children(f, start, rows, batch, pool_ids, children, backend=backend)
+        results.append(f)
+    _equal_state(*results)
+    span = slice(start, start + w * children)
+    for x, y in zip(results[0], frontier):  # columns outside the span are untouched
+        assert torch.equal(x[:, :start], y[:, :start]) and torch.equal(x[:, span.stop:],
+                                                                        y[:, span.stop:])
+    got = results[0].score[:, span].view(R, w, children)
+    assert torch.isneginf(got[node < 0]).all()
+
+
+def test_frontier_ops_reject_bad_arguments(gen):
+    frontier, tree = _frontier(gen, 2, 4), _tree(gen, 2, 3)
+    with pytest.raises(ValueError, match="count must be an int in"):
+        pop_frontier(frontier, tree, 5, 3)
+    rows = torch.zeros(2, 1, 3)
+    batch = ExpandBatch(*(torch.zeros(2, 1, dtype=torch.int64) for _ in range(4)),
+                        torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="no room"):
+        push_children(frontier, 2, rows, batch, torch.zeros(2, 1, 3, dtype=torch.int64), 3)
+    with pytest.raises(ValueError, match="children must be in"):
+        push_children(frontier, 0, rows, batch, torch.zeros(2, 1, 3, dtype=torch.int64), 4)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,width,count", [(1, 1, 1), (3, 6, 6), (5, 37, 8), (4, 600, 32)])
-def test_take_top_orders_like_a_stable_sort(backend, n, width, count, gen):
-    values = _rows_with_ties(gen, n, width)
-    want_top, want_columns = naive_take_top(values, count)
-    top, columns = take_top(values, count, backend=backend)
-    assert torch.equal(columns, want_columns) and torch.equal(top, want_top)
-    spent = values.clone()
-    top, columns = take_top(spent, count, consume=True, backend=backend)
-    assert torch.equal(columns, want_columns)
-    expected = values.clone()
-    expected.scatter_(1, want_columns, float("-inf"))
-    assert torch.equal(spent, expected)
-
-
-def test_take_top_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="count must be an int in"):
-        take_top(torch.zeros(2, 3), 4)
-    with pytest.raises(ValueError, match="values must be a float32"):
-        take_top(torch.zeros(2, 3, dtype=torch.float64), 1)
-    with pytest.raises(ValueError, match="contiguous"):
-        take_top(torch.zeros(3, 2).t(), 1, consume=True)
+def test_extend_paths_records_parent_path_plus_node(backend, gen):
+    R, N, D = 2, 7, 3
+    paths = torch.full((R, N + 1, D + 1), -1, dtype=torch.int64)
+    node_depth = torch.full((R, N + 1), -1, dtype=torch.int64)
+    # Call 1: the roots (request 1 pads its second row); call 2: children, one at depth D.
+    calls = [
+        (torch.tensor([[0, -1], [0, -1]]), torch.tensor([[-1, -1], [-1, -1]]),
+         torch.tensor([[0, 0], [0, 0]])),
+        (torch.tensor([[1, 2], [1, -1]]), torch.tensor([[0, 0], [0, -1]]),
+         torch.tensor([[1, 1], [1, 0]])),
+        (torch.tensor([[3, -1], [2, -1]]), torch.tensor([[1, -1], [1, -1]]),
+         torch.tensor([[2, 0], [2, 0]])),
+        (torch.tensor([[4, -1], [3, -1]]), torch.tensor([[3, -1], [2, -1]]),
+         torch.tensor([[3, 0], [3, 0]])),
+    ]
+    for node, parent, depth in calls:
+        places = extend_paths(paths, node_depth, node, parent, depth, backend=backend)
+    assert places.ancestors[0, 0].tolist() == [0, 1, 3, -1]
+    assert places.kv_slot.tolist() == [[N, N], [N, N]]  # depth D and padding: scratch
+    assert places.positions.tolist() == [[1, 1], [1, 1]]
+    assert paths[0, 4].tolist() == [0, 1, 3, 4] and paths[1, 3].tolist() == [0, 1, 2, 3]
+    assert node_depth[0, :5].tolist() == [0, 1, 1, 2, 3]
+    places = extend_paths(paths, node_depth, torch.tensor([[5, 6], [4, -1]]),
+                          torch.tensor([[2, 0], [1, -1]]), torch.tensor([[2, 1], [2, 0]]),
+                          backend=backend)
+    assert places.kv_slot.tolist() == [[5, 6], [4, N]]
+    assert places.positions.tolist() == [[3, 2], [3, 1]]
+    assert places.ancestors[0].tolist() == [[0, 2, -1, -1], [0, -1, -1, -1]]
 
 
 def _attention_inputs(gen, R, w, H, hd, T, M, S, rotary, dtype):
@@ -75,12 +172,12 @@ def _attention_inputs(gen, R, w, H, hd, T, M, S, rotary, dtype):
     kv_slot[:, -1] = M - 1  # one padding row per request
     ancestor_slots = order[:, w:][:, None, :S].expand(R, w, S).clone()
     ancestor_slots[torch.rand(R, w, S, generator=gen) < 0.4] = -1
-    cos = sin = None
+    positions = tables = None
     if rotary:
-        angles = torch.rand(R, w, hd // 2, generator=gen) * 6
-        cos, sin = angles.cos(), angles.sin()
+        angles = torch.rand(20, hd // 2, generator=gen) * 6
+        positions, tables = torch.randint(0, 20, (R, w), generator=gen), (angles.cos(), angles.sin())
     return (q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
-            ancestor_slots, cos, sin)
+            ancestor_slots, positions, tables)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -91,8 +188,8 @@ def _attention_inputs(gen, R, w, H, hd, T, M, S, rotary, dtype):
 def test_node_attention_matches_float64(backend, R, w, H, hd, T, S, rotary, dtype, gen):
     M = w + S + 2
     inputs = _attention_inputs(gen, R, w, H, hd, T, M, S, rotary, dtype)
-    q, k, v, pk, pv, nk, nv, kv_slot, ancestors, cos, sin = inputs
-    ref = naive_node_attention(q, k, v, pk, pv, nk, nv, ancestors, cos, sin)
+    q, k, v, pk, pv, nk, nv, kv_slot, ancestors, positions, rotary = inputs
+    ref = naive_node_attention(q, k, v, pk, pv, nk, nv, ancestors, positions, rotary)
     before_keys, before_values = nk.clone(), nv.clone()
     got = node_attention(*inputs, backend=backend)
     assert got.dtype == torch.float32 and got.shape == q.shape
@@ -106,7 +203,7 @@ def test_node_attention_matches_float64(backend, R, w, H, hd, T, S, rotary, dtyp
     assert torch.equal(nk[~written], before_keys[~written])
     assert torch.equal(nv[~written], before_values[~written])
     assert torch.equal(nv[batch, kv_slot][real], v[real])
-    key = k if cos is None else _rotated(k, cos, sin)
+    key = k if rotary is None else _rotated(k, *(t[positions] for t in rotary))
     assert rel_err(nk[batch, kv_slot][real], key[real]) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
@@ -121,7 +218,7 @@ def test_node_attention_rejects_bad_arguments(gen):
     inputs = list(_attention_inputs(gen, 2, 2, 1, 4, 3, 6, 2, True, torch.float32))
     with pytest.raises(ValueError, match="kv_slot must be int64"):
         node_attention(*inputs[:7], inputs[7].int(), *inputs[8:])
-    with pytest.raises(ValueError, match="cos and sin must be given together"):
+    with pytest.raises(ValueError, match="positions and rotary must be given together"):
         node_attention(*inputs[:9], inputs[9], None)
     with pytest.raises(ValueError, match="prefix_keys must be"):
         node_attention(inputs[0], inputs[1], inputs[2], inputs[3][:, :, :, :2], *inputs[4:])

@@ -8,7 +8,8 @@ budget / expand_width Weaver calls), or the DDTree / chain construction. The poo
 themselves (the target LM-head product + top-512, which the chain pays too) are timed
 apart. "graph" = ``DraftRound``'s CUDA graph replayed; "eager" = ``draft_trees``.
 Before timing, the CUDA run checks the fused kernels against their PyTorch paths and
-the graph round against the eager reference builder.
+the graph round against the eager reference builder (``backend="torch"``: the frontier by
+stable sorts); it profiles one eager Weaver round (kernel launches by kernel).
 
     python tools/bench_drafting.py                    # CUDA: checks, then the tables
     python tools/bench_drafting.py --smoke            # tiny dimensions on CPU, eager
@@ -24,7 +25,7 @@ import time
 import torch
 
 from triton_ops.testing import rel_err
-from triton_ops.weaver_step import node_attention, rms_norm, take_top
+from triton_ops.weaver_step import node_attention, rms_norm
 from vllm_tfm.drafting.draft_round import DraftRound, candidate_pools, draft_depth, draft_trees
 from vllm_tfm.drafting.weaver import Weaver, WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import random_weaver
@@ -84,25 +85,37 @@ def check_kernels(device: torch.device, gen: torch.Generator) -> None:
     """The fused node-step kernels against their PyTorch paths at the bench's shapes."""
     x = torch.randn(16, 5120, generator=gen).to(device, torch.bfloat16)
     weight, bias = (torch.randn(5120, generator=gen).to(device) for _ in range(2))
-    print(f"check rms_norm [16, 5120] bf16: rel err vs torch "
-          f"{rel_err(rms_norm(x, weight, bias, 1e-6), rms_norm(x, weight, bias, 1e-6, backend='torch')):.2e}")
+    fused, plain = (rms_norm(x, weight, bias, 1e-6, backend=b) for b in ("triton", "torch"))
+    print(f"check rms_norm [16, 5120] bf16: rel err vs torch {rel_err(fused, plain):.2e}")
     R, w, H, hd, T, M = 4, 8, 16, 128, 16, 130
     q, k, v = (torch.randn(R, w, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(3))
     pk, pv = (torch.randn(R, T, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(2))
     caches = [torch.randn(R, M, H, hd, generator=gen).to(device, torch.bfloat16) for _ in range(2)]
     slots = torch.arange(w, device=device).expand(R, w).contiguous() + 100
     ancestors = torch.randint(-1, 90, (R, w, T), generator=gen).to(device)
-    angles = torch.rand(R, w, hd // 2, generator=gen).to(device) * 6
-    outs = [node_attention(q, k, v, pk, pv, nk, nv, slots, ancestors, angles.cos(), angles.sin(),
-                           backend=b)
-            for b, (nk, nv) in (("triton", [c.clone() for c in caches]),
-                                ("torch", [c.clone() for c in caches]))]
+    angles = torch.rand(T + 1, hd // 2, generator=gen).to(device) * 6
+    positions = torch.randint(1, T, (R, w), generator=gen).to(device)
+    outs = [node_attention(q, k, v, pk, pv, *[c.clone() for c in caches], slots, ancestors,
+                           positions, (angles.cos(), angles.sin()), backend=b)
+            for b in ("triton", "torch")]
     print(f"check node_attention [R {R}, w {w}, H {H}, hd {hd}, T {T}] bf16 rotary: rel err vs "
           f"torch {rel_err(outs[0], outs[1]):.2e}")
-    values = torch.randint(-4, 4, (64, 1032), generator=gen).float().to(device)
-    same = [torch.equal(a, b) for a, b in zip(take_top(values, 32), take_top(values, 32,
-                                                                              backend="torch"))]
-    print(f"check take_top [64, 1032] with ties, top 32: equal to the stable sort {all(same)}")
+
+
+def profile_round(fn) -> None:
+    """Kernel launches of one eager round, by kernel: where a replayed round's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total = sum(e.count for e in kernels)
+    busy = sum(e.device_time_total for e in kernels) / 1e3
+    print(f"profile Weaver B 1 budget 64: {total} kernel launches, {busy:.3f} ms of kernel time")
+    for e in sorted(kernels, key=lambda e: -e.count)[:25]:
+        print(f"  {e.count:5d} x {e.device_time_total / e.count:8.1f} us  {e.key[:90]}")
 
 
 def compare_trees(got, want) -> str:
@@ -198,6 +211,9 @@ def main() -> None:
                             print(f"check graph round = eager reference ({tree}, B {R}, budget "
                                   f"{budget}): {compare_trees(got, want)}", flush=True)
                         graph_ms = timed(round_.graph.replay, device, args.repeats)
+                        if tree == "weaver" and budget == 64 and R == 1:
+                            with torch.inference_mode():
+                                profile_round(eager)
                         if tree == "weaver" and budget == 64:
                             call_ms = timed(lambda: round_(*inputs), device, args.repeats)
                             print(f"Weaver B {R} budget 64: graph call with input copies and "

@@ -12,18 +12,8 @@ def naive_rms_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
     return xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + eps) * weight.double() + bias.double()
 
 
-def naive_take_top(values: torch.Tensor, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row of [n, C] values: the ``count`` largest, ties to the lower column (Python sort)."""
-    top, columns = [], []
-    for row in values.tolist():
-        order = sorted(range(len(row)), key=lambda c: (-row[c], c))[:count]
-        columns.append(order)
-        top.append([row[c] for c in order])
-    return torch.tensor(top, dtype=values.dtype), torch.tensor(columns, dtype=torch.int64)
-
-
 def naive_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_values,
-                         ancestor_slots, cos=None, sin=None) -> torch.Tensor:
+                         ancestor_slots, positions=None, rotary=None) -> torch.Tensor:
     """Node by node in float64: softmax over [prefix, ancestors, the node itself].
 
     Shapes as in :func:`triton_ops.weaver_step.node_attention`; ``node_keys`` /
@@ -35,9 +25,9 @@ def naive_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_va
     for r in range(R):
         for j in range(w):
             qj, kj = q[r, j].double(), k[r, j].double()
-            if cos is not None:
-                c = torch.cat([cos[r, j], cos[r, j]]).double()
-                s = torch.cat([sin[r, j], sin[r, j]]).double()
+            if rotary is not None:
+                cos, sin = (table[positions[r, j]] for table in rotary)
+                c, s = torch.cat([cos, cos]).double(), torch.cat([sin, sin]).double()
                 half = hd // 2
                 qj = qj * c + torch.cat([-qj[:, half:], qj[:, :half]], -1) * s
                 kj = kj * c + torch.cat([-kj[:, half:], kj[:, :half]], -1) * s

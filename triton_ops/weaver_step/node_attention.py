@@ -37,8 +37,8 @@ def node_attention(
     node_values: torch.Tensor,
     kv_slot: torch.Tensor,
     ancestor_slots: torch.Tensor,
-    cos: torch.Tensor | None = None,
-    sin: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
@@ -53,8 +53,9 @@ def node_attention(
             share a scratch slot that no ancestor list names).
         ancestor_slots: [R, w, S] int64 cache slots of each node's strict
             ancestors, -1 for none; all written by earlier calls.
-        cos, sin: [R, w, hd/2] float32 rotary tables at each node's position, or
-            both None (positions enter elsewhere).
+        positions: [R, w] int64 each node's position, with ``rotary`` = (cos, sin)
+            [L, hd/2] float32 tables of positions 0..L-1; both None where
+            positions enter elsewhere.
 
     Returns:
         [R, w, H, hd] float32: softmax(q.K / sqrt(hd)) V over [prefix, ancestors,
@@ -62,14 +63,15 @@ def node_attention(
     """
     triton_path = use_triton(backend, q)
     _check_inputs(q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
-                  ancestor_slots, cos, sin)
+                  ancestor_slots, positions, rotary)
     if not triton_path:
-        if cos is not None:
+        if rotary is not None:
+            cos, sin = (table[positions] for table in rotary)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return _torch_node_attention(q, k, v, prefix_keys, prefix_values, node_keys,
                                      node_values, kv_slot, ancestor_slots)
     return _triton_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_values,
-                                  kv_slot, ancestor_slots, cos, sin)
+                                  kv_slot, ancestor_slots, positions, rotary)
 
 
 def _torch_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
@@ -96,11 +98,11 @@ def _torch_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_v
 
 @triton.jit
 def _node_attention_kernel(
-    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, nk_ptr, nv_ptr, slot_ptr, anc_ptr, cos_ptr, sin_ptr,
-    out_ptr,
+    q_ptr, k_ptr, v_ptr, pk_ptr, pv_ptr, nk_ptr, nv_ptr, slot_ptr, anc_ptr, pos_ptr, cos_ptr,
+    sin_ptr, out_ptr,
     WIDTH, PREFIX, ANCESTORS, HEAD_DIM, scale,
     s_qr, s_qw, s_qh, s_kr, s_kw, s_kh, s_vr, s_vw, s_vh,
-    s_pr, s_pt, s_ph, s_nr, s_nm, s_nh, s_cr, s_cw,
+    s_pr, s_pt, s_ph, s_nr, s_nm, s_nh, s_cos,
     ROTARY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     node = tl.program_id(0)
@@ -119,8 +121,9 @@ def _node_attention_kernel(
         partner = tl.where(offs_d < half, offs_d + half, offs_d - half)
         sign = tl.where(offs_d < half, -1.0, 1.0)
         freq = tl.where(offs_d < half, offs_d, offs_d - half)
-        cos = tl.load(cos_ptr + r * s_cr + j * s_cw + freq, mask=mask_d, other=0.0)
-        sin = tl.load(sin_ptr + r * s_cr + j * s_cw + freq, mask=mask_d, other=0.0)
+        position = tl.load(pos_ptr + r * WIDTH + j)
+        cos = tl.load(cos_ptr + position * s_cos + freq, mask=mask_d, other=0.0)
+        sin = tl.load(sin_ptr + position * s_cos + freq, mask=mask_d, other=0.0)
         q_turn = tl.load(q_base + partner, mask=mask_d, other=0.0).to(tl.float32)
         k_turn = tl.load(k_base + partner, mask=mask_d, other=0.0).to(tl.float32)
         q = q * cos + sign * q_turn * sin
@@ -165,7 +168,7 @@ def _node_attention_kernel(
 
 
 def _triton_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
-                           ancestor_slots, cos, sin):
+                           ancestor_slots, positions, rotary):
     R, w, H, hd = q.shape
     out = torch.empty(R, w, H, hd, dtype=torch.float32, device=q.device)
     if R * w == 0:
@@ -177,22 +180,22 @@ def _triton_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_
                              f"{t.stride()}")
     if node_keys.stride() != node_values.stride():
         raise ValueError("node_keys and node_values must share strides")
-    rotary = cos is not None
-    if rotary:
-        cos, sin = cos.contiguous(), sin.contiguous()
+    if rotary is not None:
+        cos, sin = (table.contiguous() for table in rotary)
+        positions = positions.contiguous()
     else:
-        cos = sin = q  # not read
+        cos = sin = positions = q  # not read
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     slots, ancestors = kv_slot.contiguous(), ancestor_slots.contiguous()
     _node_attention_kernel[(R * w, H)](
-        q, k, v, prefix_keys, prefix_values, node_keys, node_values, slots, ancestors, cos, sin,
-        out, w, prefix_keys.shape[1], ancestors.shape[2], hd, hd**-0.5,
+        q, k, v, prefix_keys, prefix_values, node_keys, node_values, slots, ancestors, positions,
+        cos, sin, out, w, prefix_keys.shape[1], ancestors.shape[2], hd, hd**-0.5,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
         prefix_keys.stride(0), prefix_keys.stride(1), prefix_keys.stride(2),
         node_keys.stride(0), node_keys.stride(1), node_keys.stride(2),
-        cos.stride(0) if rotary else 0, cos.stride(1) if rotary else 0,
-        ROTARY=rotary, BLOCK_T=triton.next_power_of_2(prefix_keys.shape[1]),
+        cos.stride(0) if rotary is not None else 0,
+        ROTARY=rotary is not None, BLOCK_T=triton.next_power_of_2(prefix_keys.shape[1]),
         BLOCK_S=triton.next_power_of_2(max(1, ancestors.shape[2])),
         BLOCK_D=triton.next_power_of_2(hd),
     )
@@ -200,7 +203,7 @@ def _triton_node_attention(q, k, v, prefix_keys, prefix_values, node_keys, node_
 
 
 def _check_inputs(q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
-                  ancestor_slots, cos, sin) -> None:
+                  ancestor_slots, positions, rotary) -> None:
     if q.dim() != 4:
         raise ValueError(f"q must be [R, w, H, hd], got {list(q.shape)}")
     R, w, H, hd = q.shape
@@ -224,12 +227,16 @@ def _check_inputs(q, k, v, prefix_keys, prefix_values, node_keys, node_values, k
     ):
         raise ValueError(f"ancestor_slots must be int64 [R={R}, w={w}, S], got "
                          f"{ancestor_slots.dtype} {list(ancestor_slots.shape)}")
-    if (cos is None) != (sin is None):
-        raise ValueError("cos and sin must be given together")
-    if cos is not None:
+    if (positions is None) != (rotary is None):
+        raise ValueError("positions and rotary must be given together")
+    if rotary is not None:
+        if positions.shape != (R, w) or positions.dtype != torch.int64:
+            raise ValueError(f"positions must be int64 [R={R}, w={w}], got {positions.dtype} "
+                             f"{list(positions.shape)}")
+        cos, sin = rotary
         for name, t in (("cos", cos), ("sin", sin)):
-            if t.shape != (R, w, hd // 2) or t.dtype != torch.float32 or hd % 2:
-                raise ValueError(f"{name} must be float32 [R={R}, w={w}, hd/2={hd // 2}] "
+            if t.dim() != 2 or t.shape[1] != hd // 2 or t.dtype != torch.float32 or hd % 2:
+                raise ValueError(f"rotary {name} must be a float32 [L, hd/2={hd // 2}] table "
                                  f"(hd even), got {t.dtype} {list(t.shape)}")
     check_same_device("q", q, k=k, v=v, prefix_keys=prefix_keys, prefix_values=prefix_values,
                       node_keys=node_keys, node_values=node_values, kv_slot=kv_slot,

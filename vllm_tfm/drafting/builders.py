@@ -28,7 +28,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from triton_ops.weaver_step import take_top
+from triton_ops.weaver_step import ExpandBatch, Frontier, GrowingTree, pop_frontier, push_children
 from vllm_tfm.drafting.tree import DraftTree, counter_gumbel
 from vllm_tfm.options import DEFAULT_FANOUT, default_expand_width
 
@@ -132,9 +132,9 @@ def build_weaver_tree(
     and ends with fewer nodes. The last pop is not expanded. Every tensor keeps
     its shape from step to step, so a CUDA graph can capture the loop.
 
-    The frontier pops and the children's ranking run through
-    ``triton_ops.weaver_step.take_top`` (``backend``: its Triton kernel or the
-    stable sort it replaces; both give the same order).
+    Pops and pushes run through ``triton_ops.weaver_step.pop_frontier`` and
+    ``push_children`` (``backend``: one Triton launch each, or the stable
+    sorts of the reference; both give the same trees).
     """
     _check_inputs(root_tokens, pool_ids, None, budget, validate)
     R, D, P = pool_ids.shape
@@ -146,15 +146,15 @@ def build_weaver_tree(
     width = expand_width or default_expand_width(budget)
     device = pool_ids.device
     N = budget + 1
-    batch = torch.arange(R, device=device)[:, None]
+
+    def zeros(cols: int, dtype=torch.int64, fill=0) -> torch.Tensor:
+        return torch.full((R, cols), fill, dtype=dtype, device=device)
 
     # Column N is a scratch slot that padding rows write to.
-    tokens = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
-    tokens[:, 0] = root_tokens
-    parents = torch.full((R, N + 1), -1, dtype=torch.int64, device=device)
-    depths = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
-    logq = torch.zeros(R, N + 1, dtype=torch.float32, device=device)
-    num = torch.ones(R, dtype=torch.int64, device=device)
+    tree = GrowingTree(zeros(N + 1), zeros(N + 1, fill=-1), zeros(N + 1),
+                       zeros(N + 1, torch.float32),
+                       torch.ones(R, dtype=torch.int64, device=device))
+    tree.tokens[:, 0] = root_tokens
 
     pops = [min(width, budget - start) for start in range(0, budget, width)]
     if max_depth == 0:
@@ -162,52 +162,31 @@ def build_weaver_tree(
     children = min(fanout, P)
     # Room for every push, and never fewer columns than one pop takes.
     capacity = max(children * (1 + sum(pops[:-1])), max(pops, default=0))
-    f_score = torch.full((R, capacity), float("-inf"), device=device)
-    f_parent = torch.zeros(R, capacity, dtype=torch.int64, device=device)
-    f_token = torch.zeros_like(f_parent)
-    f_depth = torch.zeros_like(f_parent)
-    f_logq = torch.zeros(R, capacity, device=device)
+    frontier = Frontier(zeros(capacity, torch.float32, float("-inf")), zeros(capacity),
+                        zeros(capacity), zeros(capacity), zeros(capacity, torch.float32))
     fill = 0
 
-    def expand_and_push(node, token, parent, depth, score):
+    def expand_and_push(batch: ExpandBatch) -> None:
         nonlocal fill
-        expandable = (node >= 0) & (depth < max_depth)
-        node = torch.where(expandable, node, -1)
-        rows = session.expand(node, token, torch.where(expandable, parent, -1), depth)
-        if tuple(rows.shape) != (R, node.shape[1], P):
-            expected = [R, node.shape[1], P]
+        rows = session.expand(batch.node, batch.token, batch.parent, batch.depth)
+        w = batch.node.shape[1]
+        if tuple(rows.shape) != (R, w, P):
             raise ValueError(
-                f"session.expand returned shape {list(rows.shape)}, expected {expected}"
+                f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
             )
-        top, pos = take_top(rows.float(), children, backend=backend)
-        candidates = pool_ids[batch, depth.clamp(max=D - 1)].gather(-1, pos)
-        child_score = torch.where(expandable[..., None], score[..., None] + top, float("-inf"))
-        span = slice(fill, fill + node.shape[1] * children)
-        f_score[:, span] = child_score.reshape(R, -1)
-        f_parent[:, span] = node[..., None].expand(-1, -1, children).reshape(R, -1)
-        f_token[:, span] = candidates.reshape(R, -1)
-        f_depth[:, span] = (depth + 1)[..., None].expand(-1, -1, children).reshape(R, -1)
-        f_logq[:, span] = top.reshape(R, -1)
-        fill += node.shape[1] * children
+        push_children(frontier, fill, rows.float(), batch, pool_ids, children, backend=backend)
+        fill += w * children
 
     if pops:
-        zero = torch.zeros(R, 1, dtype=torch.int64, device=device)
-        expand_and_push(zero, root_tokens[:, None], zero - 1, zero, zero.float())
+        zero = zeros(1)
+        expand_and_push(ExpandBatch(zero, root_tokens[:, None], zero - 1, zero,
+                                    zeros(1, torch.float32)))
     for step, k in enumerate(pops):
-        score, pick = take_top(f_score, k, consume=True, backend=backend)
-        popped = score > float("-inf")  # a prefix of each row: -inf ranks last
-        node = torch.where(popped, num[:, None] + torch.arange(k, device=device), -1)
-        slot = torch.where(popped, node, N)
-        token, parent = f_token.gather(1, pick), f_parent.gather(1, pick)
-        depth = f_depth.gather(1, pick)
-        tokens[batch, slot] = token
-        parents[batch, slot] = parent
-        depths[batch, slot] = depth
-        logq[batch, slot] = f_logq.gather(1, pick)
-        num += popped.sum(1)
+        batch = pop_frontier(frontier, tree, k, max_depth, backend=backend)
         if step + 1 < len(pops):
-            expand_and_push(node, token, parent, depth, score)
+            expand_and_push(batch)
 
+    tokens, parents, depths, logq, num = tree
     return DraftTree(
         tokens=tokens[:, :N],
         parents=parents[:, :N].to(torch.int32),

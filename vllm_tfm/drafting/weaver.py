@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from triton_ops.pool_logits import pool_logits_log_softmax
-from triton_ops.weaver_step import apply_rotary, node_attention, rms_norm
+from triton_ops.weaver_step import apply_rotary, extend_paths, node_attention, rms_norm
 
 LAYOUTS = ("learned_pos", "rope_swiglu")
 # Sanity bounds: DFlash blocks are 16 wide and pools 512 deep; values far past
@@ -550,6 +550,7 @@ class WeaverRound:
         self.node_values = torch.zeros_like(self.node_keys)
         self.node_depth = torch.full((rows, max_nodes + 1), -1, dtype=torch.int64, device=device)
         self.paths = torch.full((rows, max_nodes + 1, prefix), -1, dtype=torch.int64, device=device)
+        self.batch = torch.arange(rows, device=device)[:, None]
         # Node positions are depth + 1 <= D: one rotary table per layer for the round.
         positions = torch.arange(prefix + 1, device=device)
         self.rotary_tables = [block.rotary_tables(positions) for block in weaver.blocks]
@@ -600,39 +601,26 @@ class WeaverRound:
             self._check_nodes(node_index, tokens, parent_index, depths)
 
         weaver = self.weaver
-        n, d_max = self.max_nodes, self.depth
-        batch = torch.arange(rows, device=node_index.device)[:, None]
         real = node_index >= 0
-        active = real & (depths < d_max)
-        slot = torch.where(real, node_index, n)
-        kv_slot = torch.where(active, node_index, n)
-
-        # A node's path is its parent's path plus itself at its own depth.
-        has_parent = real & (parent_index >= 0)
-        parent_paths = self.paths[batch, torch.where(has_parent, parent_index, 0)]
-        ancestors = torch.where(has_parent[..., None], parent_paths, -1)  # [R, w, D+1]
-        paths = ancestors.scatter(2, depths.clamp(0, d_max)[..., None], node_index[..., None])
-        self.paths[batch, slot] = paths
-        self.node_depth[batch, slot] = torch.where(real, depths, -1)
-
-        positions = torch.where(active, depths, 0) + 1
+        places = extend_paths(self.paths, self.node_depth, node_index, parent_index, depths)
         x = weaver.token_table[torch.where(real, tokens, 0)]
-        x = weaver._add_positions(x, positions)
+        x = weaver._add_positions(x, places.positions)
         for layer, block in enumerate(weaver.blocks):
             q, k, v = block.project(block.norm_attn(x))  # [R, w, H, hd], before rotary
             tables = self.rotary_tables[layer]
-            cos, sin = (None, None) if tables is None else (t[positions] for t in tables)
             attn = node_attention(
                 q, k, v, self.prefix_keys[layer], self.prefix_values[layer],
-                self.node_keys[layer], self.node_values[layer], kv_slot, ancestors, cos, sin,
+                self.node_keys[layer], self.node_values[layer], places.kv_slot,
+                places.ancestors, None if tables is None else places.positions, tables,
             )
             x = block.finish(x, attn)
         y = weaver.out_norm(x)
 
-        pool_row = depths.clamp(0, d_max - 1)
-        ids = self.pool_ids[batch, pool_row]  # [R, w, P]
-        scores = self.pool_scores[batch, pool_row]
+        pool_row = depths.clamp(0, self.depth - 1)
+        ids = self.pool_ids[self.batch, pool_row]  # [R, w, P]
+        scores = self.pool_scores[self.batch, pool_row]
         logq = pool_logits_log_softmax(y, weaver.query_table, ids, scores)
+        active = real & (depths < self.depth)
         return logq.masked_fill_(~active[..., None], float("-inf"))
 
     def _check_nodes(self, node_index, tokens, parent_index, depths) -> None:

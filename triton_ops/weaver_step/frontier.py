@@ -1,0 +1,230 @@
+"""The best-first frontier of a Weaver round: pop the best entries, push a node's children.
+
+Per request the frontier is a fixed set of C columns filled in insertion order
+(score -inf = empty or spent), so ranking by (score descending, column
+ascending) is the reference builder's (score descending, insertion order
+ascending). Children rank by (log q descending, pool index ascending). Both
+orders are those of a stable descending sort; the torch path IS that sort,
+the Triton path takes one winner per iteration (at most 32 pops or a fan-out of
+a few children), one program per request or per expanded node, and also does
+the bookkeeping around it, so a pop or a push is one launch.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from triton_ops.utils import use_triton
+
+
+class Frontier(NamedTuple):
+    """Candidates not yet in the tree, [R, C] each: score (float32, -inf = none),
+    token, parent node, depth (int64) and log q of the token (float32)."""
+
+    score: torch.Tensor
+    token: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    logq: torch.Tensor
+
+
+class GrowingTree(NamedTuple):
+    """Nodes added so far, [R, N + 1] each (column N is scratch): token, parent,
+    depth (int64), log q (float32); num [R] int64 nodes per request."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    depths: torch.Tensor
+    logq: torch.Tensor
+    num: torch.Tensor
+
+
+class ExpandBatch(NamedTuple):
+    """The w nodes of one Weaver call, [R, w] each: node index (-1 = not expanded:
+    padding, or a node at the depth limit), token, parent (-1 where node is -1),
+    depth, and the node's path score (float32)."""
+
+    node: torch.Tensor
+    token: torch.Tensor
+    parent: torch.Tensor
+    depth: torch.Tensor
+    score: torch.Tensor
+
+
+def pop_frontier(frontier: Frontier, tree: GrowingTree, count: int, max_depth: int, *,
+                 backend: str = "auto") -> ExpandBatch:
+    """Move the best ``count`` entries of each request into the tree.
+
+    The popped entries become nodes ``num[r], num[r] + 1, ...`` (a request whose
+    frontier runs dry pops fewer; ``num`` advances by what it popped) and spend
+    their frontier columns. Returns them as the next Weaver call's batch: nodes
+    at ``max_depth`` and dry rows get node -1.
+    """
+    R, C = frontier.score.shape
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= C:
+        raise ValueError(f"count must be an int in [1, C={C}], got {count!r}")
+    if not use_triton(backend, frontier.score):
+        return _torch_pop(frontier, tree, count, max_depth)
+    out = _empty_batch(R, count, frontier.score.device)
+    _pop_kernel[(R,)](
+        *frontier, *tree, *out, C, tree.tokens.shape[1], max_depth,
+        COUNT=count, BLOCK=triton.next_power_of_2(C),
+    )
+    return out
+
+
+def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
+                  pool_ids: torch.Tensor, children: int, *, backend: str = "auto") -> None:
+    """Write the top ``children`` of each node of ``batch`` into frontier columns
+    ``start + j * children + i`` with score = the node's score + log q.
+
+    ``rows``: [R, w, P] float32 log q over each node's pool row (row
+    min(depth, D - 1) of ``pool_ids`` [R, D, P]); nodes -1 push -inf entries.
+    """
+    R, w, P = rows.shape
+    if not 1 <= children <= P:
+        raise ValueError(f"children must be in [1, P={P}], got {children!r}")
+    if start + w * children > frontier.score.shape[1]:
+        raise ValueError(f"frontier of {frontier.score.shape[1]} columns has no room for "
+                         f"{w * children} entries at {start}")
+    if not use_triton(backend, rows):
+        return _torch_push(frontier, start, rows, batch, pool_ids, children)
+    rows = rows.contiguous()
+    _push_kernel[(R * w,)](
+        *frontier, rows, *batch, pool_ids.contiguous(), start, w, P, pool_ids.shape[1],
+        frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
+    )
+
+
+def _empty_batch(R: int, count: int, device) -> ExpandBatch:
+    index = [torch.empty(R, count, dtype=torch.int64, device=device) for _ in range(4)]
+    return ExpandBatch(*index, torch.empty(R, count, dtype=torch.float32, device=device))
+
+
+def _torch_pop(frontier: Frontier, tree: GrowingTree, count: int, max_depth: int) -> ExpandBatch:
+    R = frontier.score.shape[0]
+    N = tree.tokens.shape[1] - 1
+    device = frontier.score.device
+    batch = torch.arange(R, device=device)[:, None]
+    score, pick = torch.sort(frontier.score, dim=-1, descending=True, stable=True)
+    score, pick = score[:, :count], pick[:, :count]
+    frontier.score.scatter_(1, pick, float("-inf"))
+    popped = score > float("-inf")  # a prefix of each row: the sort put -inf last
+    node = torch.where(popped, tree.num[:, None] + torch.arange(count, device=device), -1)
+    slot = torch.where(popped, node, N)
+    token, parent = frontier.token.gather(1, pick), frontier.parent.gather(1, pick)
+    depth = frontier.depth.gather(1, pick)
+    tree.tokens[batch, slot] = token
+    tree.parents[batch, slot] = parent
+    tree.depths[batch, slot] = depth
+    tree.logq[batch, slot] = frontier.logq.gather(1, pick)
+    tree.num.add_(popped.sum(1))
+    expandable = popped & (depth < max_depth)
+    return ExpandBatch(torch.where(expandable, node, -1), token,
+                       torch.where(expandable, parent, -1), depth, score)
+
+
+def _torch_push(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
+                pool_ids: torch.Tensor, children: int) -> None:
+    R, w, _ = rows.shape
+    top, pos = torch.sort(rows, dim=-1, descending=True, stable=True)
+    top, pos = top[..., :children], pos[..., :children]
+    requests = torch.arange(R, device=rows.device)[:, None]
+    candidates = pool_ids[requests, batch.depth.clamp(max=pool_ids.shape[1] - 1)].gather(-1, pos)
+    expandable = (batch.node >= 0)[..., None]
+    span = slice(start, start + w * children)
+
+    def per_child(t: torch.Tensor) -> torch.Tensor:
+        return t[..., None].expand(-1, -1, children).reshape(R, -1)
+
+    frontier.score[:, span] = torch.where(expandable, batch.score[..., None] + top,
+                                          float("-inf")).reshape(R, -1)
+    frontier.parent[:, span] = per_child(batch.node)
+    frontier.token[:, span] = candidates.reshape(R, -1)
+    frontier.depth[:, span] = per_child(batch.depth + 1)
+    frontier.logq[:, span] = top.reshape(R, -1)
+
+
+@triton.jit
+def _next_best(values, free, offs, BLOCK: tl.constexpr):
+    """The largest free value and its lowest column (-inf is a value like any other)."""
+    best = tl.max(tl.where(free, values, -float("inf")), axis=0)
+    column = tl.min(tl.where(free & (values == best), offs, BLOCK), axis=0)
+    return best, column
+
+
+@triton.jit
+def _pop_kernel(
+    f_score, f_token, f_parent, f_depth, f_logq,
+    t_tokens, t_parents, t_depths, t_logq, t_num,
+    o_node, o_token, o_parent, o_depth, o_score,
+    C, WIDTH, MAX_DEPTH,
+    COUNT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    inside = offs < C
+    values = tl.load(f_score + r * C + offs, mask=inside, other=-float("inf"))
+    values = tl.where(values == values, values, -float("inf"))  # NaN never wins a place
+    free = inside
+    first = tl.load(t_num + r)
+    popped_count = first * 0
+    for i in tl.static_range(COUNT):
+        best, column = _next_best(values, free, offs, BLOCK)
+        free = free & (offs != column)
+        popped = best > -float("inf")
+        at = r * C + column
+        token = tl.load(f_token + at)
+        parent = tl.load(f_parent + at)
+        depth = tl.load(f_depth + at)
+        node = first + i
+        slot = r * WIDTH + node
+        tl.store(t_tokens + slot, token, mask=popped)
+        tl.store(t_parents + slot, parent, mask=popped)
+        tl.store(t_depths + slot, depth, mask=popped)
+        tl.store(t_logq + slot, tl.load(f_logq + at), mask=popped)
+        expandable = popped & (depth < MAX_DEPTH)
+        out = r * COUNT + i
+        tl.store(o_node + out, tl.where(expandable, node, -1))
+        tl.store(o_token + out, token)
+        tl.store(o_parent + out, tl.where(expandable, parent, -1))
+        tl.store(o_depth + out, depth)
+        tl.store(o_score + out, best)
+        popped_count += popped.to(tl.int64)
+    tl.store(f_score + r * C + offs, tl.full((BLOCK,), -float("inf"), tl.float32),
+             mask=inside & ~free)
+    tl.store(t_num + r, first + popped_count)
+
+
+@triton.jit
+def _push_kernel(
+    f_score, f_token, f_parent, f_depth, f_logq,
+    rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids,
+    START, W, P, D, C,
+    CHILDREN: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    r = row // W
+    j = row % W
+    offs = tl.arange(0, BLOCK)
+    inside = offs < P
+    values = tl.load(rows_ptr + row * P + offs, mask=inside, other=-float("inf"))
+    values = tl.where(values == values, values, -float("inf"))
+    node = tl.load(b_node + row)
+    depth = tl.load(b_depth + row)
+    score = tl.load(b_score + row)
+    pool = pool_ids + (r * D + tl.minimum(depth, D - 1)) * P
+    free = inside
+    for i in tl.static_range(CHILDREN):
+        best, column = _next_best(values, free, offs, BLOCK)
+        free = free & (offs != column)
+        at = r * C + START + j * CHILDREN + i
+        tl.store(f_score + at, tl.where(node >= 0, score + best, -float("inf")))
+        tl.store(f_token + at, tl.load(pool + column))
+        tl.store(f_parent + at, node)
+        tl.store(f_depth + at, depth + 1)
+        tl.store(f_logq + at, best)
