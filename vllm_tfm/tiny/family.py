@@ -58,6 +58,7 @@ DEFAULT_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_family"
 TRAINED_DIR = REPO_ROOT / "models" / "tiny_trained"
 # The trained family with experts enough for tensor parallelism (`trained_family_with_experts`).
 TP_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_trained_tp"
+SLIDING_DRAFTER_OUT_DIR = REPO_ROOT / "artifacts" / "tiny_sliding_drafter"
 TP_NUM_EXPERTS = 4
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")
@@ -505,6 +506,30 @@ def trained_family_with_experts(
         if staging.exists():
             shutil.rmtree(staging)
     return trained_family_with_experts(num_experts, root)
+
+
+def with_sliding_window_drafter(
+    family: TinyFamily, window: int = 24, out_dir: str | os.PathLike = SLIDING_DRAFTER_OUT_DIR
+) -> TinyFamily:
+    """`family` with a drafter whose layers mix sliding-window and full attention: the same
+    weights, layer 0 sliding (`window` tokens) and the others full, written to `out_dir`.
+
+    The shape of z-lab's mixed DFlash drafters, which vLLM builds on model runner V2 only.
+    vLLM resolves such a drafter's sliding layers as causal and its full layers as not.
+    """
+    config = json.loads((family.dflash / "config.json").read_text(encoding="utf-8"))
+    layers = config["num_hidden_layers"]
+    if layers < 2:
+        raise ValueError("a drafter mixing sliding and full attention needs 2 layers or more")
+    # The window goes in dflash_config: transformers' Qwen3Config drops a top-level
+    # sliding_window unless use_sliding_window is set.
+    config = {**config, "dflash_config": {**config["dflash_config"], "swa_window_size": window},
+              "layer_types": ["sliding_attention"] + ["full_attention"] * (layers - 1)}
+    drafter = Path(out_dir).resolve() / "dflash"
+    drafter.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(family.dflash / "model.safetensors", drafter / "model.safetensors")
+    _write_json(drafter / "config.json", config)
+    return dataclasses.replace(family, dflash=drafter)
 
 
 def build_family(

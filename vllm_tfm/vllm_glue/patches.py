@@ -2,8 +2,24 @@
 
 Each patch wraps one attribute of one vLLM module; the wrapper receives the
 original and returns the replacement. Applying twice is a no-op. Written for
-vLLM 0.32.x and 0.33.x (model runner V1; every patched signature is the same in
-both); the version is checked before anything is touched.
+vLLM 0.32.x and 0.33.x (model runner V1); the version is checked before anything
+is touched.
+
+What 0.33.0 changed of what the glue patches or calls (its wheel's Python code
+against 0.32.0's; every patched function and every vLLM function the glue calls
+keeps its 0.32 signature):
+- ``unify_hybrid_kv_cache_specs`` moved from ``v1.core.kv_cache_utils`` to
+  ``v1.core.kv_cache_planning`` (sliding_drafter imports either);
+- draft attention layers are flagged ``is_draft_layer`` and their KV specs
+  ``is_draft``, so the drafter's KV sits in groups of its own (the commit already
+  skips draft layers by name);
+- ``QwenGatedDeltaNetAttention`` overrides ``get_kv_cache_spec`` (FlashInfer prefill
+  checkpoints in "align" mode) through ``super()``, which still reaches the patched
+  ``MambaBase.get_kv_cache_spec``;
+- V1 is deprecated (V2 is the GPU default; the config wrapper still selects V1),
+  ``rejection_sample_method`` gains the lossy "fly", which tree verification does
+  not use, and ``EngineCoreOutput`` gains an ``error`` field;
+- the mixed sliding/full drafter refusal on V1 is unchanged (sliding_drafter).
 """
 
 from __future__ import annotations
@@ -103,6 +119,30 @@ PATCHES: tuple[Patch, ...] = (
         _RUNNER, "GPUModelRunner.take_draft_token_ids",
         f"{_GLUE}.runner:wrap_take_draft_token_ids",
         "trees smaller than the budget are padded with -1 on the device: drop it",
+    ),
+    Patch(
+        "vllm.config.vllm", "VllmConfig._dflash_needs_multi_kv_group",
+        f"{_GLUE}.sliding_drafter:wrap_dflash_needs_multi_kv_group",
+        "DFlash drafters mixing sliding-window and full attention: let model runner V1 "
+        "(the only runner on CPU) start them for dflash_tfm, which keeps them in one KV group",
+    ),
+    Patch(
+        "vllm.model_executor.models.qwen3_dflash", "_resolve_layer_attention",
+        f"{_GLUE}.sliding_drafter:wrap_resolve_layer_attention",
+        "DFlash drafters mixing sliding-window and full attention: resolve each layer "
+        "without vLLM's refusal of them on model runner V1 (the only runner on CPU)",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner.get_kv_cache_spec",
+        f"{_GLUE}.sliding_drafter:wrap_get_kv_cache_spec",
+        "a mixed drafter's sliding-window layers allocate as full attention that keeps the "
+        "window, so every draft layer is in the one KV-cache group V1's proposer reads",
+    ),
+    Patch(
+        "vllm.v1.spec_decode.dflash", "DFlashProposer.build_per_group_and_layer_attn_metadata",
+        f"{_GLUE}.sliding_drafter:wrap_build_per_group_and_layer_attn_metadata",
+        "a mixed drafter's causal layers get causal attention metadata (V1 builds one "
+        "causality for all draft layers; V2 builds one per KV-cache group)",
     ),
     Patch(
         "vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl.forward",
