@@ -149,6 +149,7 @@ def test_extend_paths_records_parent_path_plus_node(backend, gen):
     assert places.ancestors[0, 0].tolist() == [0, 1, 3, -1]
     assert places.kv_slot.tolist() == [[N, N], [N, N]]  # depth D and padding: scratch
     assert places.positions.tolist() == [[1, 1], [1, 1]]
+    assert places.pool_row.tolist() == [[-1, -1], [-1, -1]]
     assert paths[0, 4].tolist() == [0, 1, 3, 4] and paths[1, 3].tolist() == [0, 1, 2, 3]
     assert node_depth[0, :5].tolist() == [0, 1, 1, 2, 3]
     places = extend_paths(paths, node_depth, torch.tensor([[5, 6], [4, -1]]),
@@ -156,6 +157,7 @@ def test_extend_paths_records_parent_path_plus_node(backend, gen):
                           backend=backend)
     assert places.kv_slot.tolist() == [[5, 6], [4, N]]
     assert places.positions.tolist() == [[3, 2], [3, 1]]
+    assert places.pool_row.tolist() == [[2, 1], [2, -1]]
     assert places.ancestors[0].tolist() == [[0, 2, -1, -1], [0, -1, -1, -1]]
 
 
@@ -175,7 +177,8 @@ def _attention_inputs(gen, R, w, H, hd, T, M, S, rotary, dtype):
     positions = tables = None
     if rotary:
         angles = torch.rand(20, hd // 2, generator=gen) * 6
-        positions, tables = torch.randint(0, 20, (R, w), generator=gen), (angles.cos(), angles.sin())
+        positions = torch.randint(0, 20, (R, w), generator=gen)
+        tables = (angles.cos(), angles.sin())
     return (q, k, v, prefix_keys, prefix_values, node_keys, node_values, kv_slot,
             ancestor_slots, positions, tables)
 

@@ -60,6 +60,28 @@ def test_triton_equals_torch_on_noncontiguous_and_bf16_table(gen):
     assert rel_err(c, ref16) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_pool_rows_pick_each_querys_pool(backend, gen):
+    # Per-request pools [R, D, P]; each query names its row, -1 = no pool (-inf row).
+    R, w, D, P, width, vocab = 3, 4, 5, 37, 24, 90
+    y, table, _, _ = _inputs((R, w, P, width, vocab), gen)
+    ids = torch.randint(0, vocab, (R, D, P), generator=gen)
+    scores = 3.0 * torch.randn(R, D, P, generator=gen)
+    pool_rows = torch.randint(-1, D, (R, w), generator=gen)
+    pool_rows[0, 0], pool_rows[0, 1] = -1, D - 1
+    out = torch.full((R, w, P), float("nan"))
+    got = pool_logits_log_softmax(y, table, ids, scores, pool_rows=pool_rows, backend=backend,
+                                  out=out)
+    batch = torch.arange(R)[:, None]
+    picked = pool_rows.clamp(min=0)
+    ref = naive_pool_logits_log_softmax(y, table, ids[batch, picked], scores[batch, picked])
+    has_pool = pool_rows >= 0
+    assert rel_err(got[has_pool], ref[has_pool]) < 2e-6
+    assert torch.isneginf(got[~has_pool]).all()
+    with pytest.raises(ValueError, match="pool_rows must be int64"):
+        pool_logits_log_softmax(y, table, ids, scores, pool_rows=pool_rows.int(), backend=backend)
+
+
 def test_repeated_ids_and_extreme_scores(gen):
     # Repeated candidates are allowed; one dominant score must not overflow.
     y, table, ids, scores = _inputs((2, 2, 9, 16, 4), gen)

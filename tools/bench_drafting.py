@@ -50,7 +50,8 @@ def derive_mlp_dim(dims: dict, published: float) -> tuple[int, str]:
     """
     def count(mlp_dim: int) -> int:
         with torch.device("meta"):
-            return sum(p.numel() for p in Weaver(WeaverConfig(**dims, mlp_dim=mlp_dim)).parameters())
+            weaver = Weaver(WeaverConfig(**dims, mlp_dim=mlp_dim))
+        return sum(p.numel() for p in weaver.parameters())
 
     per_unit = count(2) - count(1)
     fixed = count(1) - per_unit
@@ -148,7 +149,8 @@ def main() -> None:
     head = (torch.randn(vocab, config.d_model, generator=gen) * 0.02).to(device, dtype)
     weaver.prepare_tables(embed, head)
     graphs = device.type == "cuda"
-    print(f"device: {torch.cuda.get_device_name() if graphs else 'cpu'}, torch {torch.__version__}, "
+    name = torch.cuda.get_device_name() if graphs else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, "
           f"Weaver {dims}, vocab {vocab}, dtype {dtype}")
     if graphs:
         try:

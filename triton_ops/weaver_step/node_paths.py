@@ -21,11 +21,13 @@ class NodePlaces(NamedTuple):
     """ancestors: [R, w, D+1] int64 node indices of each node's strict ancestors
     (-1 = none); kv_slot: [R, w] int64 cache slot of the node's K/V (the scratch
     slot N for padding and depth-D nodes); positions: [R, w] int64, depth + 1
-    (1 for rows that are not expanded)."""
+    (1 for rows that are not expanded); pool_row: [R, w] int64, the pool row of
+    the node's children (its depth), -1 for rows that are not expanded."""
 
     ancestors: torch.Tensor
     kv_slot: torch.Tensor
     positions: torch.Tensor
+    pool_row: torch.Tensor
 
 
 def extend_paths(paths: torch.Tensor, node_depth: torch.Tensor, node_index: torch.Tensor,
@@ -47,14 +49,14 @@ def extend_paths(paths: torch.Tensor, node_depth: torch.Tensor, node_index: torc
     w = node_index.shape[1]
     ancestors = torch.empty(R, w, S, dtype=torch.int64, device=paths.device)
     kv_slot = torch.empty(R, w, dtype=torch.int64, device=paths.device)
-    positions = torch.empty_like(kv_slot)
+    positions, pool_row = torch.empty_like(kv_slot), torch.empty_like(kv_slot)
     if R * w:
         _extend_paths_kernel[(R * w,)](
             paths, node_depth, node_index.contiguous(), parent_index.contiguous(),
-            depths.contiguous(), ancestors, kv_slot, positions, w, slots, S,
+            depths.contiguous(), ancestors, kv_slot, positions, pool_row, w, slots, S,
             BLOCK_S=triton.next_power_of_2(S),
         )
-    return NodePlaces(ancestors, kv_slot, positions)
+    return NodePlaces(ancestors, kv_slot, positions, pool_row)
 
 
 def _torch_extend_paths(paths, node_depth, node_index, parent_index, depths) -> NodePlaces:
@@ -71,12 +73,13 @@ def _torch_extend_paths(paths, node_depth, node_index, parent_index, depths) -> 
                                            node_index[..., None])
     node_depth[batch, slot] = torch.where(real, depths, -1)
     return NodePlaces(ancestors, torch.where(active, node_index, scratch),
-                      torch.where(active, depths, 0) + 1)
+                      torch.where(active, depths, 0) + 1, torch.where(active, depths, -1))
 
 
 @triton.jit
 def _extend_paths_kernel(paths, node_depth, node_index, parent_index, depths, ancestors_out,
-                         kv_slot_out, positions_out, W, SLOTS, S, BLOCK_S: tl.constexpr):
+                         kv_slot_out, positions_out, pool_row_out, W, SLOTS, S,
+                         BLOCK_S: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     r = row // W
     node = tl.load(node_index + row)
@@ -98,3 +101,4 @@ def _extend_paths_kernel(paths, node_depth, node_index, parent_index, depths, an
     tl.store(node_depth + r * SLOTS + node, depth, mask=real)
     tl.store(kv_slot_out + row, tl.where(active, node, SLOTS - 1))
     tl.store(positions_out + row, tl.where(active, depth, 0) + 1)
+    tl.store(pool_row_out + row, tl.where(active, depth, -1))

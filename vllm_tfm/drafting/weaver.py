@@ -550,7 +550,6 @@ class WeaverRound:
         self.node_values = torch.zeros_like(self.node_keys)
         self.node_depth = torch.full((rows, max_nodes + 1), -1, dtype=torch.int64, device=device)
         self.paths = torch.full((rows, max_nodes + 1, prefix), -1, dtype=torch.int64, device=device)
-        self.batch = torch.arange(rows, device=device)[:, None]
         # Node positions are depth + 1 <= D: one rotary table per layer for the round.
         positions = torch.arange(prefix + 1, device=device)
         self.rotary_tables = [block.rotary_tables(positions) for block in weaver.blocks]
@@ -616,12 +615,9 @@ class WeaverRound:
             x = block.finish(x, attn)
         y = weaver.out_norm(x)
 
-        pool_row = depths.clamp(0, self.depth - 1)
-        ids = self.pool_ids[self.batch, pool_row]  # [R, w, P]
-        scores = self.pool_scores[self.batch, pool_row]
-        logq = pool_logits_log_softmax(y, weaver.query_table, ids, scores)
-        active = real & (depths < self.depth)
-        return logq.masked_fill_(~active[..., None], float("-inf"))
+        return pool_logits_log_softmax(
+            y, weaver.query_table, self.pool_ids, self.pool_scores, pool_rows=places.pool_row
+        )
 
     def _check_nodes(self, node_index, tokens, parent_index, depths) -> None:
         """Reject inconsistent nodes, reading the device once."""
