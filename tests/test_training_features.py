@@ -22,7 +22,7 @@ from vllm_tfm.training import dflash, features, generate_features, target, train
 torch.set_num_threads(1)
 
 GENERATE_ARGS = ["--num-seqs", "8", "--heldout-seqs", "2", "--prompt-len", "8",
-                 "--new-tokens", "16", "--shard-seqs", "2", "--device", "cpu"]
+                 "--new-tokens", "17", "--shard-seqs", "2", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +45,10 @@ def _shard_digests(directory) -> dict[str, str]:
 
 def test_features_are_the_targets_states_and_greedy_rows_its_argmax(family, reference):
     out, report = reference
-    assert report["tokens"] == 10 * 24 and report["bytes_per_million_tokens"] > 0
+    assert report["tokens"] == 10 * 25 and report["bytes_per_million_tokens"] > 0
     split = features.FeatureSplit(out, "train", verify=True)
     rows = split.all()
-    assert split.num_sequences == 8 and rows.tokens.shape == (8, 24)
+    assert split.num_sequences == 8 and rows.tokens.shape == (8, 25)
     assert int(rows.sampled.sum()) == 4  # half of each 2-row shard is sampled
     again = split.rows([5, 0, 5])
     assert torch.equal(again.aux[0], rows.aux[5]) and torch.equal(again.final[2], rows.final[5])
@@ -157,3 +157,17 @@ def test_one_and_two_processes_and_accumulation_train_the_same(family, tmp_path)
     train_dflash.main([*args, "--accumulate", "2"])
     _assert_close(dflash_states, _checkpoint_states(tmp_path / "accumulated.ckpt"),
                   "dflash, accumulation")
+
+
+def test_training_refuses_bad_batches_and_foreign_layers(family, reference, tmp_path):
+    out = reference[0]
+    common = ["--features", str(out), "--out", str(tmp_path / "dflash"), "--device", "cpu"]
+    with pytest.raises(ValueError, match=r"--batch \(3\) must be a positive multiple"):
+        train_dflash.main([*common, "--batch", "3", "--accumulate", "2"])
+    config = json.loads((family.dflash / "config.json").read_text())
+    config["dflash_config"]["target_layer_ids"] = [0, 2, 4]
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 2, 4\] but the features "
+                                         r"hold layers \[1, 3, 6\]"):
+        train_dflash.main([*common, "--init", str(tmp_path / "other")])

@@ -41,17 +41,18 @@ from vllm_tfm.drafting.weaver import Weaver
 from vllm_tfm.options import TREE_KINDS, default_candidate_pool
 
 from vllm_tfm.training.dflash import DFlashDrafter
-from vllm_tfm.training.target import Target
+from vllm_tfm.training.features import TargetHead
 from vllm_tfm.training.weaver_lk import lm_head_pools
 
 
 @dataclass
 class Drafters:
-    """What drafting needs: the frozen target, the DFlash drafter and (for tree "weaver")
-    a Weaver whose tables were prepared from the target. `pool_size` None: the pool the
-    engine would use (`options.default_candidate_pool`)."""
+    """What drafting needs: the frozen target's head (a whole `Target` for `simulate`,
+    which runs it), the DFlash drafter and (for tree "weaver") a Weaver whose tables were
+    prepared from the target. `pool_size` None: the pool the engine would use
+    (`options.default_candidate_pool`)."""
 
-    target: Target
+    target: TargetHead
     dflash: DFlashDrafter
     weaver: Weaver | None = None
     pool_size: int | None = None

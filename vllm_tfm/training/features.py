@@ -76,8 +76,9 @@ def write_shard(path: Path, tokens: torch.Tensor, sampled: torch.Tensor, aux: to
 
 
 def write_head(directory: Path, embed: torch.Tensor, lm_head: torch.Tensor) -> None:
-    tensors = {"embed": embed.detach().cpu().contiguous(),
-               "lm_head": lm_head.detach().cpu().contiguous()}
+    # Copies: a tied head shares the embedding's storage, which safetensors refuses.
+    tensors = {"embed": embed.detach().to("cpu", copy=True).contiguous(),
+               "lm_head": lm_head.detach().to("cpu", copy=True).contiguous()}
     write_atomically(directory / HEAD_FILE, lambda tmp: save_file(tensors, str(tmp)))
 
 
@@ -96,11 +97,11 @@ def lm_head_logits(final: torch.Tensor, lm_head: torch.Tensor) -> torch.Tensor:
     return (final.to(lm_head.dtype) @ lm_head.T).float()
 
 
-@dataclass
+@dataclass(eq=False, repr=False)
 class TargetHead:
     """The only target weights drafter training needs: the input embedding [V, d_embed]
-    and the LM head [V, d]. Stands in for `Target` wherever only these are read
-    (`acceptance.Drafters`, `greedy_tau`)."""
+    and the LM head [V, d]. Stands in for `Target` (a subclass) wherever only these are
+    read (`acceptance.Drafters`, `greedy_tau`)."""
 
     embed: torch.Tensor
     lm_head: torch.Tensor
@@ -128,6 +129,7 @@ class TargetHead:
         return self.lm_head.shape[0]
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """float32 target logits of final-norm states [..., d] -> [..., V]."""
         return lm_head_logits(final, self.lm_head)
 
 

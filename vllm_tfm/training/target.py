@@ -102,12 +102,12 @@ class TargetOutput:
         return lm_head_logits(self.final, self.lm_head)
 
 
-class Target:
-    """A frozen target (eval mode, no gradients).
+class Target(TargetHead):
+    """A frozen target (eval mode, no gradients): its head (embed [V, d_embed], lm_head
+    [V, d], their device, sizes and `logits`) and the whole model.
 
     Attributes:
         model: the transformers model.
-        embed: [V, d_embed] input embedding; lm_head: [V, d] output projection.
     """
 
     def __init__(self, path: str | Path, device: torch.device | str = "cpu",
@@ -125,20 +125,8 @@ class Target:
             layer.register_forward_hook(self._capture(index))
 
     @property
-    def device(self) -> torch.device:
-        return self.lm_head.device
-
-    @property
     def num_layers(self) -> int:
         return len(self.model.model.layers)
-
-    @property
-    def hidden_size(self) -> int:
-        return self.lm_head.shape[1]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.lm_head.shape[0]
 
     def _capture(self, index: int):
         def hook(module, args, output):
@@ -179,14 +167,6 @@ class Target:
         final = out.last_hidden_state
         aux = torch.cat([captured[i] for i in wanted], -1) if wanted else None
         return TargetOutput(final=final, aux=aux, lm_head=self.lm_head)
-
-    def logits(self, final: torch.Tensor) -> torch.Tensor:
-        """float32 LM-head logits of final-norm states [..., d] -> [..., V]."""
-        return lm_head_logits(final, self.lm_head)
-
-    def head(self) -> TargetHead:
-        """The embedding and LM head alone (what `features.write_head` stores)."""
-        return TargetHead(embed=self.embed, lm_head=self.lm_head)
 
     @torch.no_grad()
     def features(self, tokens: torch.Tensor, layer_ids: Sequence[int],

@@ -76,8 +76,10 @@ def teacher_forced_logq(
     nodes = weaver.token_in(weaver.embed_norm(F.embedding(node_tokens, embed).to(dtype)))
     x = weaver.causal_pass(h_v.to(dtype), dflash_hidden.to(dtype), nodes).hidden
     y = weaver.out_norm(x[:, depth + 1 :])
-    query = weaver.lm_head_query_in(y).float()  # [M, D, d_model]
-    residual = (query @ lm_head.float().T).gather(-1, pool_ids)
+    query = weaver.lm_head_query_in(y)  # [M, D, d_model]
+    # All-vocabulary product, then the pool's columns: [M, D, V] is far smaller than the
+    # pool's LM-head rows [M, D, P, d]; in the head's dtype, not an fp32 copy of it.
+    residual = (query.to(lm_head.dtype) @ lm_head.T).float().gather(-1, pool_ids)
     return torch.log_softmax(pool_scores.float() + residual, -1)
 
 
