@@ -20,8 +20,9 @@ def test_dockerfile_base_matches_the_pinned_vllm():
     pinned = cpu_pin.split("==")[1]
     cuda_range = pyproject["project"]["optional-dependencies"]["cuda"][0]
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    base = re.search(r"^FROM vllm/vllm-openai:v(\S+)$", dockerfile, re.MULTILINE)
-    assert base, "the Dockerfile must start FROM the official vllm/vllm-openai image"
+    base = re.search(r"^ARG BASE_IMAGE=vllm/vllm-openai:v(\S+)$", dockerfile, re.MULTILINE)
+    assert base, "the Dockerfile's BASE_IMAGE must default to the official vllm/vllm-openai image"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\}$", dockerfile, re.MULTILINE)
     assert base.group(1) == pinned
     assert f">={pinned}" in cuda_range
     assert 'ENTRYPOINT ["vllm", "serve"]' in dockerfile

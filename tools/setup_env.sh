@@ -4,6 +4,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+# buildah and debootstrap build and run the Docker images without a Docker daemon
+# (docker/build_cpu_image.sh, tests/test_docker.py). Installed where apt-get runs as root;
+# elsewhere setup goes on and that test skips, saying why.
+if ! command -v buildah >/dev/null || ! command -v debootstrap >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q buildah debootstrap \
+        || { apt-get update -q && apt-get install -y -q buildah debootstrap; }; } >/dev/null \
+      || echo "setup_env.sh: buildah and debootstrap failed to install:" \
+              "tests/test_docker.py will skip" >&2
+  else
+    echo "setup_env.sh: buildah and debootstrap need apt-get as root to install:" \
+         "tests/test_docker.py will skip" >&2
+  fi
+fi
 if [ -f "$VENV/.ready" ]; then exit 0; fi
 python3 -m venv "$VENV"
 PIP="$VENV/bin/pip --disable-pip-version-check -q"
