@@ -3,7 +3,8 @@ generate_features.py, loop.py): the stored states are the target's, greedy rows 
 target's argmax, a killed generation resumes to the same files, changed arguments are
 refused by name, corruption is named; the tiny recipe's features + DFlash + Weaver stages
 give the same results on 1 and 2 torchrun processes (gloo) and with gradient accumulation,
-up to reduction order."""
+up to reduction order; bad batch splits, foreign drafter layers and bad prompt files are
+refused by name."""
 
 import json
 import os
@@ -17,7 +18,15 @@ import pytest
 import torch
 
 from vllm_tfm.tiny import family as tiny_family
-from vllm_tfm.training import dflash, features, generate_features, target, train_dflash, train_family
+from vllm_tfm.training import (
+    data,
+    dflash,
+    features,
+    generate_features,
+    target,
+    train_dflash,
+    train_family,
+)
 
 torch.set_num_threads(1)
 
@@ -171,3 +180,27 @@ def test_training_refuses_bad_batches_and_foreign_layers(family, reference, tmp_
     with pytest.raises(ValueError, match=r"reads target layers \[0, 2, 4\] but the features "
                                          r"hold layers \[1, 3, 6\]"):
         train_dflash.main([*common, "--init", str(tmp_path / "other")])
+
+
+def test_prompt_sources_jsonl_random_and_their_errors(family, tmp_path):
+    texts = tmp_path / "prompts.jsonl"
+    texts.write_text(json.dumps({"text": "def main(argv):\n    return len(argv) * 2\n"}) + "\n\n"
+                     + json.dumps({"text": "import os\nprint(os.getcwd())\n"}) + "\n")
+    windows = data.prompt_windows(str(texts), "train", family.target, tiny_family.VOCAB_SIZE)
+    generator = torch.Generator().manual_seed(0)
+    sample = windows.sample(5, 6, generator)
+    assert sample.shape == (5, 6) and sample.dtype == torch.int64
+    encoded = [windows.encoded(i).tolist() for i in range(2)]
+    for row in sample.tolist():  # every window is a slice of one of the texts
+        assert any(row == ids[s : s + 6] for ids in encoded for s in range(len(ids) - 5))
+    random = data.prompt_windows("random", "heldout", family.target, 7).sample(3, 4, generator)
+    assert random.shape == (3, 4) and int(random.max()) < 7
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"prompt": "no"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2: .*string field 'text'"):
+        data.prompt_windows(str(bad), "train", family.target, 7)
+    with pytest.raises(ValueError, match="prompts must be one of"):
+        data.prompt_windows("prompts.txt", "train", family.target, 7)
+    with pytest.raises(ValueError, match="--heldout-prompts must name a second file"):
+        generate_features.main(["--out", str(tmp_path / "f"), "--prompts", str(texts),
+                                "--device", "cpu"])
