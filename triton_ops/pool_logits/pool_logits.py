@@ -117,7 +117,14 @@ def _check_inputs(y, table, ids, scores, pool_rows) -> None:
 
 def _torch_pool_log_softmax(y, table, ids, scores, out) -> None:
     n, pool = ids.shape
-    chunk = max(1, _TORCH_GATHER_BYTES // (pool * table.shape[1] * 4))
+    vocab, width = table.shape
+    if vocab <= n * pool:
+        # A small vocabulary (the tiny family's 1024) costs less as one dense
+        # product than as n * P gathered rows.
+        residual = (y.float() @ table.float().T).gather(1, ids)
+        out.copy_(torch.log_softmax(scores.float() + residual, dim=-1))
+        return
+    chunk = max(1, _TORCH_GATHER_BYTES // (pool * width * 4))
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
         gathered = table[ids[start:stop]].float()  # [n, P, D]
