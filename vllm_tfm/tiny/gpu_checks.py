@@ -83,6 +83,7 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
     runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     import torch
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     started = time.perf_counter()
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
@@ -106,6 +107,9 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
     finally:
         del llm
         gc.collect()
+        # An engine that raised leaves its process groups behind (on the H200 the next
+        # engine found no pipeline group): every configuration starts from a clean slate.
+        cleanup_dist_env_and_memory()
         torch.cuda.empty_cache()
     return result
 
