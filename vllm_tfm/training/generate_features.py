@@ -113,8 +113,7 @@ def shard_rows(total: int, shard_seqs: int) -> list[int]:
 def make_shard(target: Target, windows, split: str, index: int, rows: int, args,
                layer_ids, path: Path) -> dict[str, float]:
     """Generate and store one shard; returns its token count and stage seconds."""
-    seed = (args.seed, split, index)
-    generator = seeded_generator(*seed)
+    generator = seeded_generator(args.seed, split, index)
     prompts = windows.sample(rows, args.prompt_len, generator)
     sampled = torch.zeros(rows, dtype=torch.bool)
     if split == "train":
@@ -182,36 +181,45 @@ def main(argv: list[str] | None = None) -> dict:
     runtime.barrier()
     if not runtime.is_main:
         return {}
+    made = {"tokens": int(totals[0]), "seconds": seconds, "processes": runtime.world,
+            "tokens_per_s": float(totals[0]) / seconds if totals[0] else None,
+            "generate_s": float(totals[1]), "forward_s": float(totals[2])}
+    report = complete_manifest(out, spec, counts, target, layer_ids, made, use_fla)
+    print(json.dumps(report))
+    return report
+
+
+def complete_manifest(out: Path, spec: dict, counts: dict[str, int], target: Target,
+                      layer_ids, made: dict, fla: bool) -> dict:
+    """List every shard (with its sha256) in the manifest, mark it complete; returns the
+    report: stored tokens and bytes, what this run made how fast (`made`), and how."""
     splits = {}
     for split in features.SPLITS:
         shards = []
-        for index, rows in enumerate(shard_rows(counts[split], args.shard_seqs)):
+        for index, rows in enumerate(shard_rows(counts[split], spec["shard_seqs"])):
             name = features.shard_name(split, index)
             shards.append({"file": name, "rows": rows,
                            "sha256": features.file_sha256(out / name)})
         splits[split] = {"shards": shards, "sequences": counts[split]}
-    stored_tokens = (args.num_seqs + args.heldout_seqs) * (args.prompt_len + args.new_tokens)
+    stored_tokens = sum(counts.values()) * (spec["prompt_len"] + spec["new_tokens"])
     shard_bytes = sum((out / s["file"]).stat().st_size
                       for split in splits.values() for s in split["shards"])
-    made_tokens = int(totals[0])
+    cuda = target.device.type == "cuda"
     report = {
         "tokens": stored_tokens,
         "bytes": shard_bytes,
         "bytes_per_million_tokens": shard_bytes / max(stored_tokens, 1) * 1e6,
-        "this_run": {"tokens": made_tokens, "seconds": seconds, "processes": runtime.world,
-                     "tokens_per_s": made_tokens / seconds if made_tokens else None,
-                     "generate_s": float(totals[1]), "forward_s": float(totals[2])},
-        "device": torch.cuda.get_device_name(runtime.device) if cuda else "cpu",
-        "dtype": str(dtype).removeprefix("torch."), "fla": use_fla,
+        "this_run": made,
+        "device": torch.cuda.get_device_name(target.device) if cuda else "cpu",
+        "dtype": str(target.lm_head.dtype).removeprefix("torch."),
+        "fla": fla,
     }
     features.write_manifest(out, {
         "format": features.FORMAT, "spec": spec, "complete": True, "splits": splits,
         "layer_ids": list(layer_ids), "hidden_size": target.hidden_size,
         "vocab_size": target.vocab_size, "report": report,
     })
-    print(json.dumps(report))
     return report
-
 
 if __name__ == "__main__":
     main()
