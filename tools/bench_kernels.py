@@ -98,6 +98,11 @@ def time_graph(fns: list, device: torch.device, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+# Ops timed on one input set run this many times per graph: one replay costs ~15 us of
+# launch on the H200, more than a small op itself.
+GRAPH_REPEATS = 16
+
+
 def layers_for(bytes_per_layer: int) -> int:
     """Distinct layers' inputs a graph cycles through so that they overflow L2 twice."""
     return max(1, min(16, math.ceil(2 * L2_BYTES / max(bytes_per_layer, 1))))
@@ -414,25 +419,26 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     H, HV, K, V = 16, 48, 128, 128
     rows = []
     gen = torch.Generator().manual_seed(4)
-    configs = [(bv, w, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
-    configs += [(32, 4, "tf32"), (32, 4, "ieee")]
+    # (output BV, output warps, prepare warps, precision)
+    configs = [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
+    configs += [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")]
     for N, B in ((64, 1), (128, 1), (64, 32)):
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
-        for bv, warps, prec in configs:
+        for bv, warps, prepare_warps, prec in configs:
             if time.monotonic() > deadline:
                 break
 
-            def call(s, bv=bv, warps=warps, prec=prec):
+            def call(s, bv=bv, warps=warps, prepare_warps=prepare_warps, prec=prec):
                 q, k, v, g, beta, pool, slots = s
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
-                                     block_v=bv, num_warps=warps)
+                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps)
 
-            us = guarded(f"config BV={bv} warps={warps} {prec}",
+            us = guarded(f"config BV={bv} warps={warps}/{prepare_warps} {prec}",
                          lambda: time_graph([lambda s=s: call(s) for s in sets], device))
-            rows.append([str(N), str(B), str(bv), str(warps), prec, fmt(us)])
-    return table("GDN tree verify launch configurations of the output kernel (us per layer, CUDA graph)",
-                 ["N", "B", "BV", "warps", "precision", "graph"], rows)
+            rows.append([str(N), str(B), str(bv), str(warps), str(prepare_warps), prec, fmt(us)])
+    return table("GDN tree verify launch configurations (us per layer, CUDA graph)",
+                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
 
 
 def bench_gdn(args) -> list[str]:
@@ -499,9 +505,10 @@ def conv_timing_table(device, args, bandwidth: float) -> list[str]:
             conv = lambda: tree_conv1d(x, weight, bias, state, slots, meta, out=out)  # noqa: E731
             commit = lambda: tree_conv1d_commit(state, slots, x, meta, leaf)  # noqa: E731
             floor = (2 * x.numel() * 2 + B * (W - 1) * C * 2) / bandwidth * 1e6
-            rows.append([str(B), str(N), fmt(time_eager(conv, device)), fmt(time_graph([conv], device)),
-                         fmt(floor), fmt(time_graph([commit], device))])
-    return table(f"tree conv1d, C={C}, W={W}, bf16 (us; graph = one op under a CUDA graph)",
+            rows.append([str(B), str(N), fmt(time_eager(conv, device)),
+                         fmt(time_graph([conv] * GRAPH_REPEATS, device)), fmt(floor),
+                         fmt(time_graph([commit] * GRAPH_REPEATS, device))])
+    return table(f"tree conv1d, C={C}, W={W}, bf16 (us; graph = {GRAPH_REPEATS} calls under one CUDA graph, per call)",
                  ["B", "N", "conv eager", "conv graph", "bytes floor", "commit graph"], rows)
 
 
@@ -522,7 +529,8 @@ def conv_tile_sweep(device, args) -> list[str]:
         x, weight, bias, state, slots = conv_inputs(gen, B, N, C, 4, torch.bfloat16, device)
         out = torch.empty_like(x)
         times = [time_graph([lambda tiles=tiles: launch_tree_conv1d(
-            x, weight, bias, state, slots, meta, "silu", out, *tiles)], device) for tiles in configs]
+            x, weight, bias, state, slots, meta, "silu", out, *tiles)] * GRAPH_REPEATS, device)
+            for tiles in configs]
         rows.append([str(B), str(N), *(fmt(t) for t in times)])
         totals = [total + t for total, t in zip(totals, times)]
     conv_module.CUDA_TILES = configs[min(range(len(configs)), key=totals.__getitem__)]
@@ -652,7 +660,7 @@ def attention_timing_table(device, args, bandwidth: float, flops: float) -> list
         out = torch.empty_like(q)
         run = lambda: paged_tree_attention(  # noqa: E731
             q, keys[0], values[0], table_, prefix, meta, D**-0.5, out=out)
-        ours, ours_graph = time_eager(run, device), time_graph([run], device)
+        ours, ours_graph = time_eager(run, device), time_graph([run] * GRAPH_REPEATS, device)
         sdpa = float("nan")
         if not args.skip_baselines and device.type == "cuda":
             sq, sk, sv, mask = sdpa_inputs(q, keys[0], values[0], table_, [prefix_len] * B, meta, N)
@@ -707,7 +715,7 @@ def attention_config_sweep(device, args) -> list[str]:
                                                     1 / 16, None, None, out, config)
                 try:
                     kernel = run()
-                    us = time_graph([run], device)
+                    us = time_graph([run] * GRAPH_REPEATS, device)
                     err = rel_err(out, ref)
                     build = f"{kernel.n_regs}/{kernel.n_spills}"
                 except Exception as exc:  # noqa: BLE001 - a config may not fit in shared memory
@@ -742,7 +750,8 @@ def kv_commit_table(device, args, bandwidth: float) -> list[str]:
         leaf = torch.full((B,), 29, device=device)
         run = lambda: tree_kv_commit(keys, values, table_, prefix, meta, leaf)  # noqa: E731
         floor = B * 14 * layers * Hkv * D * 2 * 2 * 2 / bandwidth * 1e6
-        rows.append([str(B), fmt(time_eager(run, device)), fmt(time_graph([run], device)), fmt(floor, 2)])
+        rows.append([str(B), fmt(time_eager(run, device)), fmt(time_graph([run] * GRAPH_REPEATS, device)),
+                     fmt(floor, 2)])
     return table(f"tree KV commit, {layers} attention layers, {Hkv} kv heads, D={D}, bf16, 14 moved rows "
                  "per request (us)", ["B", "eager", "graph", "bytes floor"], rows)
 

@@ -199,17 +199,17 @@ def _verify_prepare_kernel(
     g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
     tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
     k_sq = tl.zeros([SB], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        b_k = load_rows(k, rows, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-        k_sq += tl.sum(b_k * b_k, axis=1)
+    for j in tl.static_range(BK // BKC):
+        k_f32 = load_rows(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+        k_sq += tl.sum(k_f32 * k_f32, axis=1)
     rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
     if hv % GROUP == 0:  # one program per key head stores the keys commit reads
-        for c in tl.static_range(BK // BKC):
-            ck = c * BKC + tl.arange(0, BKC)
-            b_k = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K)
+        for j in tl.static_range(BK // BKC):
+            ck_store = j * BKC + tl.arange(0, BKC)
+            k_f32 = load_rows(k, rows, ck_store, stride_kn, stride_kk, n_b, K)
             tl.store(
-                k_normed + b * N * H * K + h * K + rows[:, None] * H * K + ck[None, :],
-                b_k * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+                k_normed + b * N * H * K + h * K + rows[:, None] * H * K + ck_store[None, :],
+                k_f32 * rk[:, None], mask=(rows[:, None] < N) & (ck_store[None, :] < K),
             )
 
     if i_r * SB < n_b:
@@ -395,9 +395,10 @@ def verify_triton(
     precision: str,
     block_v: int | None = None,
     num_warps: int | None = None,
+    prepare_warps: int = 4,
 ) -> GDNTreeVerifyOutput:
     """Launch the two verify kernels; ``block_v`` and ``num_warps`` (of the
-    output kernel) are tuning knobs for benchmarks."""
+    output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
@@ -421,7 +422,8 @@ def verify_triton(
         scale, N, HV, K, words.shape[-1],
         # The interpreter's bf16 is unreliable (triton#11584; its 16-bit tl.dot gave
         # inf here): fp32 operands give the same exact products.
-        BT=ROW_BLOCK, LOWP_QK=q.element_size() == 2 and not interpreting(), num_warps=4, **common,
+        BT=ROW_BLOCK, LOWP_QK=q.element_size() == 2 and not interpreting(), num_warps=prepare_warps,
+        **common,
     )
     BV, warps = default_output_config(B * HV, V)
     BV = max(MIN_BLOCK_V, block_v or BV)
