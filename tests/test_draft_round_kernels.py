@@ -145,7 +145,7 @@ def test_extend_paths_records_parent_path_plus_node(backend, gen):
          torch.tensor([[3, 0], [3, 0]])),
     ]
     for node, parent, depth in calls:
-        places = extend_paths(paths, node_depth, node, parent, depth, backend=backend)
+        places = extend_paths(paths, node_depth, node, node + 10, parent, depth, backend=backend)
     assert places.ancestors[0, 0].tolist() == [0, 1, 3, -1]
     assert places.kv_slot.tolist() == [[N, N], [N, N]]  # depth D and padding: scratch
     assert places.positions.tolist() == [[1, 1], [1, 1]]
@@ -153,11 +153,12 @@ def test_extend_paths_records_parent_path_plus_node(backend, gen):
     assert paths[0, 4].tolist() == [0, 1, 3, 4] and paths[1, 3].tolist() == [0, 1, 2, 3]
     assert node_depth[0, :5].tolist() == [0, 1, 1, 2, 3]
     places = extend_paths(paths, node_depth, torch.tensor([[5, 6], [4, -1]]),
-                          torch.tensor([[2, 0], [1, -1]]), torch.tensor([[2, 1], [2, 0]]),
-                          backend=backend)
+                          torch.tensor([[15, 16], [14, -5]]), torch.tensor([[2, 0], [1, -1]]),
+                          torch.tensor([[2, 1], [2, 0]]), backend=backend)
     assert places.kv_slot.tolist() == [[5, 6], [4, N]]
     assert places.positions.tolist() == [[3, 2], [3, 1]]
     assert places.pool_row.tolist() == [[2, 1], [2, -1]]
+    assert places.token_row.tolist() == [[15, 16], [14, 0]]  # padding reads row 0
     assert places.ancestors[0].tolist() == [[0, 2, -1, -1], [0, -1, -1, -1]]
 
 

@@ -600,9 +600,9 @@ class WeaverRound:
             self._check_nodes(node_index, tokens, parent_index, depths)
 
         weaver = self.weaver
-        real = node_index >= 0
-        places = extend_paths(self.paths, self.node_depth, node_index, parent_index, depths)
-        x = weaver.token_table[torch.where(real, tokens, 0)]
+        places = extend_paths(self.paths, self.node_depth, node_index, tokens, parent_index,
+                              depths)
+        x = weaver.token_table[places.token_row]
         x = weaver._add_positions(x, places.positions)
         for layer, block in enumerate(weaver.blocks):
             q, k, v = block.project(block.norm_attn(x))  # [R, w, H, hd], before rotary
