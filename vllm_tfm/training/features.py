@@ -218,8 +218,9 @@ class StoredFeatures:
 
     @classmethod
     def load(cls, directory: str | Path, device: torch.device | str,
-             dtype: torch.dtype) -> StoredFeatures:
-        """The head on `device` in `dtype`; the splits stay on the CPU."""
+             dtype: torch.dtype = torch.float32) -> StoredFeatures:
+        """The head on `device` in `dtype` (fp32: held-out estimates run in fp32, and the
+        training steps' autocast casts it); the splits stay on the CPU."""
         train = FeatureSplit(directory, "train")
         heldout = FeatureSplit(directory, "heldout").all()
         if train.num_sequences == 0 or heldout.tokens.shape[0] == 0:

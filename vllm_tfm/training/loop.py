@@ -106,12 +106,6 @@ class Runtime:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    @property
-    def frozen_dtype(self) -> torch.dtype:
-        """The dtype of frozen weights (target embedding and LM head): bf16 on CUDA, where
-        the trained modules run under bf16 autocast anyway, fp32 on CPU."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
-
     def autocast(self):
         """bf16 autocast on CUDA (fp32 master weights); CPU runs stay fp32."""
         if self.device.type == "cuda":
@@ -288,8 +282,8 @@ def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path)
 
     Each step: the global batch, its parts through the (DDP-wrapped) objective under
     `runtime.autocast`, backward of loss / accumulate (DDP averages over processes), the
-    gradient norm clipped to 1, optimiser and schedule step. `evaluate` runs before a
-    fresh run, every --eval-every steps (0: never) and at the end, printed as one JSON
+    gradient norm clipped to 1, optimiser and schedule step. `evaluate` (in fp32: the
+    engine's drafting code it calls expects one dtype) runs before a fresh run, every --eval-every steps (0: never) and at the end, printed as one JSON
     line; every --save-every steps and at the end: `export`, the checkpoint
     (`--checkpoint`, default <out>.ckpt), and the curves: <out>.training.json and
     <out>.training.png (loss and held-out estimates over steps).
@@ -314,8 +308,7 @@ def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path)
 
     def record(step: int) -> None:
         if runtime.is_main:
-            with runtime.autocast():
-                run.history.append(job.evaluate(step))
+            run.history.append(job.evaluate(step))
             tqdm.write(json.dumps(run.history[-1]))
         runtime.barrier()
 

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     public_out = Path(args.public_out) if args.public_out else out.with_name(out.name + ".pth")
     runtime = setup_runtime(args.device, args.threads)
     device = runtime.device
-    stored = StoredFeatures.load(args.features, device, runtime.frozen_dtype)
+    stored = StoredFeatures.load(args.features, device)
     head, held = stored.head, stored.heldout
     drafter = DFlashDrafter.load(args.dflash, head.hidden_size).to(device).eval()
     drafter.requires_grad_(False)
@@ -169,19 +169,17 @@ def main(argv: list[str] | None = None) -> dict:
     anchor_range = (stored.prompt_len, stored.seq_len - block)
     held_anchors = sample_anchors(held.tokens.shape[0], args.anchors, *anchor_range,
                                   step_generator(args.seed, -1))
-    with runtime.autocast():
-        held_inputs = teacher_inputs(drafter, head, held, held_anchors, args.pool_size)
+    held_inputs = teacher_inputs(drafter, head, held, held_anchors, args.pool_size)
     retained = held_inputs["retained"].float().flatten()
     pool_mass = {"mean": retained.mean().item(), "p05": retained.quantile(0.05).item()}
     drafters = Drafters(head, drafter, weaver, pool_size=args.pool_size)
     held_args = (held.tokens, held.aux, held.final, stored.prompt_len)
-    with runtime.autocast():
-        baselines = {
-            "chain": greedy_tau(drafters, "chain", drafter.draft_depth, *held_args),
-            f"ddtree{args.eval_budget}": greedy_tau(drafters, "ddtree", args.eval_budget,
-                                                     *held_args),
-        }
-        marginal = lk_loss(held_inputs["p"], torch.log_softmax(held_inputs["scores"].float(), -1))
+    baselines = {
+        "chain": greedy_tau(drafters, "chain", drafter.draft_depth, *held_args),
+        f"ddtree{args.eval_budget}": greedy_tau(drafters, "ddtree", args.eval_budget,
+                                                 *held_args),
+    }
+    marginal = lk_loss(held_inputs["p"], torch.log_softmax(held_inputs["scores"].float(), -1))
     if runtime.is_main:
         tqdm.write(json.dumps({"heldout_pool_retained_mass": pool_mass,
                                "heldout_greedy_tau": baselines,
