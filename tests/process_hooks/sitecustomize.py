@@ -11,7 +11,9 @@ TFM_HOOK_RECORD_DIR   each rank appends what its tree path held per step to
 TFM_HOOK_FAIL         JSON {"stage": "verify" | "commit", "rank": R, "prompt": [ids]}:
                       that stage raises once, on tensor-parallel rank R, in the first
                       tree step where a request whose prompt starts with those token
-                      ids has a tree of more than its root.
+                      ids has a tree of more than its root; a commit only where
+                      another request of the step prefills (the commit writes no
+                      cache of it), so that the fault costs the victim alone.
 """
 
 from __future__ import annotations
@@ -80,15 +82,22 @@ def _victim_has_a_tree(model_runner, step) -> bool:
     return False
 
 
+def _others_prefill(step) -> bool:
+    from vllm_tfm.vllm_glue.commit import written_requests
+
+    return len(written_requests(step)) < len(step.req_ids)
+
+
 def _install_fault() -> None:
     from vllm_tfm.vllm_glue import commit, verify
 
     fired = []
 
-    def faulty(original, step_of):
+    def faulty(original, step_of, when=lambda step: True):
         def stage(model_runner, *args, **kwargs):
             step = step_of(model_runner, *args)
-            if not fired and _rank() == _FAIL["rank"] and _victim_has_a_tree(model_runner, step):
+            if (not fired and _rank() == _FAIL["rank"]
+                    and _victim_has_a_tree(model_runner, step) and when(step)):
                 fired.append(True)
                 if _RECORD_DIR:
                     _record({"fault": _FAIL["stage"]})
@@ -100,7 +109,8 @@ def _install_fault() -> None:
     if _FAIL["stage"] == "verify":
         verify.verify_step = faulty(verify.verify_step, lambda model_runner, step, *_: step)
     elif _FAIL["stage"] == "commit":
-        commit.commit_step = faulty(commit.commit_step, lambda model_runner, step: step)
+        commit.commit_step = faulty(commit.commit_step, lambda model_runner, step: step,
+                                    _others_prefill)
     else:
         raise ValueError(f"TFM_HOOK_FAIL['stage'] must be 'verify' or 'commit', got "
                          f"{_FAIL['stage']!r}")
