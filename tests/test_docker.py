@@ -11,12 +11,15 @@ Everything lives in a buildah storage of its own, removed at the end.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,8 +68,9 @@ class Buildah:
 
 
 @pytest.fixture(scope="module")
-def buildah(tmp_path_factory):
-    storage = tmp_path_factory.mktemp("buildah")
+def buildah():
+    # Not under pytest's basetemp, which other pytest sessions of the user may prune.
+    storage = Path(tempfile.mkdtemp(prefix="vllm-tfm-buildah."))
     tool = Buildah(storage)
     try:
         yield tool
@@ -161,14 +165,19 @@ def test_cpu_image_serves_dflash_tfm_over_loopback(buildah, cpu_image):
 
 def test_cuda_recipe_builds_on_a_stand_in_base(buildah, cpu_image):
     """docker/Dockerfile without build arguments, its FROM resolved to a stand-in stored
-    under the official image's name: a Debian Python 3.11 with pip and setuptools (from
-    ensurepip) and no network, like the official image's system Python."""
+    under the official image's name: Debian's Python with pip and the setuptools that vLLM
+    pins (the version in .venv), no vLLM, and no network during the build."""
     official = re.search(r"^ARG BASE_IMAGE=(\S+)$",
                          (REPO_ROOT / "docker" / "Dockerfile").read_text(), re.MULTILINE)
     assert official, "docker/Dockerfile must default BASE_IMAGE to the official vLLM image"
+    setuptools = f"setuptools=={importlib.metadata.version('setuptools')}"
+    wheels = buildah.storage / "stand-in-wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "-qq", "--no-deps", setuptools,
+                    "-d", str(wheels)], check=True, timeout=300)
     stand_in = buildah("from", "--pull=never", "vllm-tfm-debian")
-    buildah("run", "--isolation", "chroot", stand_in, "--", "python3", "-m", "venv",
-            "/opt/python")
+    buildah("run", "--isolation", "chroot", "--volume", f"{wheels}:/wheels:ro", stand_in,
+            "--", "sh", "-c", "python3 -m venv /opt/python && /opt/python/bin/pip install -q "
+            f"--no-index --find-links /wheels {setuptools}")
     buildah("config", "--env", "PATH=/opt/python/bin:/usr/sbin:/usr/bin:/sbin:/bin", stand_in)
     buildah("commit", "--quiet", "--rm", stand_in, f"docker.io/{official.group(1)}")
 
@@ -177,7 +186,6 @@ def test_cuda_recipe_builds_on_a_stand_in_base(buildah, cpu_image):
             timeout=600)
     config = buildah.image_config("vllm-tfm")
     assert config["Entrypoint"] == ["vllm", "serve"]
-    assert "VLLM_USE_V2_MODEL_RUNNER=0" in config["Env"]
     container = buildah("from", "--pull=never", "vllm-tfm")
     try:
         plugins = buildah(
