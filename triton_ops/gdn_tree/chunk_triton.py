@@ -1,7 +1,14 @@
 """Triton kernels for tree verify and commit (the CUDA path).
 
-Verify runs in two launches, the split fla's chunk kernels use, so that no
-kernel holds the triangular solve and the state products at once:
+Verify, N <= 64 (``_verify_tile_kernel``): one program per (request, value head,
+block of BV value columns) holds all nodes in one tile: ``Q K^T``, ``K K^T``,
+``K S0``, ``Q S0`` with K in chunks of 64, then ``(I + A) Delta = R`` by block
+forward substitution over 16-row blocks and the outputs.
+
+Verify, N > 64: two launches, the split fla's chunk kernels use, so that no
+kernel holds the triangular solve and the state products at once. (On the H200
+the split is 2.2x slower than the tile kernel at N = 64 and 3.7x faster at
+N = 128: both spill, see BENCHMARKS.md; hence the dispatch by N.)
 
 1. ``_verify_prepare_kernel``, one program per (request, value head, block of
    ``SB`` <= 64 rows): the path sums G, the masked ``A``, its inverse and the
@@ -21,8 +28,8 @@ block forward substitution gives
 
 Inside a block, ``(I + A_rr)^{-1}`` is formed from its 16x16 diagonal blocks,
 inverted row by row in plain fp32 (stable for repeated keys, where powers of A
-explode), merged by forward substitution over the 16-row blocks. Both kernels
-stop at each request's own node count: padding blocks cost nothing.
+explode), merged by forward substitution over the 16-row blocks. Both split
+kernels stop at each request's own node count: padding blocks cost nothing.
 
 Commit runs one program per (request, value head, K block, V block).
 
@@ -55,6 +62,18 @@ K_CHUNK = 64
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
 # on an H200 (cause not established); narrower V is padded to 32 columns instead.
 MIN_BLOCK_V = 32
+
+
+# Largest node count verified by the tile kernel; beyond it the two split kernels run.
+TILE_MAX_NODES = 64
+
+
+def default_tile_config(heads: int, V: int) -> tuple[int, int]:
+    """(BV, num_warps) of the tile kernel: split V finely while the batch is small
+    so that the programs cover the GPU; every program re-solves its head's
+    triangular system, which is cheap next to the value-side products."""
+    BV = 32 if heads < 128 else 64 if heads < 512 else 128
+    return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
 
 
 def default_output_config(heads: int, V: int) -> tuple[int, int]:
@@ -136,6 +155,21 @@ def masked_decay(pairs, gr, gc):
 
 
 @triton.jit
+def word_bits(lo, hi, cols):
+    """[NP, len(cols)] bool: bit ``cols[j]`` of each row's 64-bit word given as int32 halves."""
+    half = tl.where(cols[None, :] < 32, lo[:, None], hi[:, None])
+    return ((half >> (cols[None, :] % 32)) & 1) != 0
+
+
+@triton.jit
+def path_decay(lo, hi, nodes, g_hi, g_lo):
+    """[NP, NP] ``exp(G_i - G_j)`` where ``j`` is ``i`` or its ancestor, else 0; the
+    difference is taken on the (hi, lo) halves and masked inside the exponent."""
+    diff = (g_hi[:, None] - g_hi[None, :]) + (g_lo[:, None] - g_lo[None, :])
+    return tl.exp(tl.where(word_bits(lo, hi, nodes), diff, float("-inf")))
+
+
+@triton.jit
 def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
     """``(I + a_bd)^{-1}`` [NP, NP], with ``a_bd`` the BT x BT diagonal blocks of
     the strictly lower triangular ``a``: all blocks advance together, one row
@@ -166,6 +200,113 @@ def unit_lower_inverse(a, SB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr
         a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
         t -= tl.dot(d_inv, tl.dot(a_r, t, input_precision=PREC), input_precision=PREC)
     return t
+
+
+@triton.jit
+def _verify_tile_kernel(
+    q, k, v, g, beta, state, slots, words, num_nodes,
+    o, delta, gate_sum, k_normed,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_gb, stride_gn, stride_gh,
+    stride_bb, stride_bn, stride_bh,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    scale, N, HV, K, V, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    LOWP_QK: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    H = HV // GROUP
+    n_b = tl.load(num_nodes + b)
+    slot = tl.load(slots + b).to(tl.int64)
+    nodes = tl.arange(0, NP)
+    live = nodes < n_b
+    cv = i_v * BV + tl.arange(0, BV)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    v += b * stride_vb + hv * stride_vh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
+    state += slot * stride_ss + hv * stride_sh
+
+    # N <= 64: one bitset word per node, handled as two int32 halves (int64 tiles
+    # cost twice the registers). G is summed in float64 over 16-column slices and
+    # kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
+    word = tl.load(words + b * N + nodes, mask=live, other=0)
+    lo = word.to(tl.int32)
+    hi = (word >> 32).to(tl.int32)
+    g_sum = tl.zeros([NP], dtype=tl.float64)
+    for c in tl.static_range(NP // BT):
+        cols = c * BT + tl.arange(0, BT)
+        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
+        g_sum += tl.sum(tl.where(word_bits(lo, hi, cols), g_c[None, :], 0.0), axis=1)
+    tl.store(gate_sum + b * N * HV + hv + nodes * HV, g_sum, mask=nodes < N)
+    g_hi = g_sum.to(tl.float32)
+    g_lo = (g_sum - g_hi.to(tl.float64)).to(tl.float32)
+
+    # Three passes over K in chunks of BKC, each keeping few tiles alive (register
+    # pressure, not bandwidth, limits this kernel; the re-reads of q and k hit
+    # cache): K K^T -> A; then K S0, Q S0 -> right-hand side; solve; then Q K^T.
+    # L2 normalisation is applied to the raw products afterwards.
+    kk = tl.zeros([NP, NP], dtype=tl.float32)
+    k_sq = tl.zeros([NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        b_k = load_chunk(k, nodes, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
+    b_beta = tl.load(beta + nodes * stride_bn, mask=live, other=0.0).to(tl.float32)
+    decay = path_decay(lo, hi, nodes, g_hi, g_lo)
+    a = tl.where(nodes[:, None] > nodes[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+
+    ks = tl.zeros([NP, BV], dtype=tl.float32)
+    qs = tl.zeros([NP, BV], dtype=tl.float32)
+    q_sq = tl.zeros([NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        ck = c * BKC + tl.arange(0, BKC)
+        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K).to(tl.float32)
+        ks += tl.dot(b_k, s0, input_precision=PREC)
+        b_q = load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K).to(tl.float32)
+        qs += tl.dot(b_q, s0, input_precision=PREC)
+        q_sq += tl.sum(b_q * b_q, axis=1)
+    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
+    e_g = tl.exp(g_hi)
+    b_v = load_rows(v, nodes, cv, stride_vn, stride_vv, n_b, V)
+    rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
+
+    # Block forward substitution: every block solved with its diagonal inverse,
+    # block r after subtracting A_{r,<r} Delta_{<r} of the blocks before it.
+    d_inv = block_diagonal_inverse(a, NP, BT)
+    d = tl.dot(d_inv, rhs, input_precision=PREC)
+    blk = nodes // BT
+    for r in tl.static_range(1, NP // BT):
+        a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
+        x = rhs - tl.dot(a_r, d, input_precision=PREC)
+        d = tl.where(blk[:, None] == r, tl.dot(d_inv, x, input_precision=PREC), d)
+
+    qk = tl.zeros([NP, NP], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        ck = c * BKC + tl.arange(0, BKC)
+        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K)
+        qk += dot_raw(load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+        if (i_v == 0) & (hv % GROUP == 0):
+            tl.store(
+                k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
+                b_k.to(tl.float32) * rk[:, None], mask=(nodes[:, None] < N) & (ck[None, :] < K),
+            )
+    p = qk * (rq[:, None] * rk[None, :]) * path_decay(lo, hi, nodes, g_hi, g_lo)
+    b_o = (e_g * rq)[:, None] * qs + tl.dot(p, d, input_precision=PREC)
+    out = b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :]
+    out_mask = (nodes[:, None] < N) & (cv[None, :] < V)
+    tl.store(delta + out, d, mask=out_mask)
+    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -397,19 +538,35 @@ def verify_triton(
     num_warps: int | None = None,
     prepare_warps: int = 4,
 ) -> GDNTreeVerifyOutput:
-    """Launch the two verify kernels; ``block_v`` and ``num_warps`` (of the
-    output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
+    """Launch the tile kernel (N <= TILE_MAX_NODES) or the two split kernels;
+    ``block_v``, ``num_warps`` (of the tile or output kernel) and ``prepare_warps``
+    are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
     NP = dot_block(N)
-    SB = min(NP, MAX_SUPER_BLOCK)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
     delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
     gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
     k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)
+    # The interpreter's bf16 is unreliable (triton#11584; its 16-bit tl.dot gave inf
+    # here): fp32 operands give the same exact products.
+    lowp = q.element_size() == 2 and not interpreting()
+    if NP <= TILE_MAX_NODES:
+        BV, warps = default_tile_config(B * HV, V)
+        BV = max(MIN_BLOCK_V, block_v or BV)
+        _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
+            q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
+            o, delta, gate_sum, k_normed,
+            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
+            scale, N, HV, K, V, words.shape[-1],
+            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, num_warps=num_warps or warps,
+        )
+        return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
+    SB = min(NP, MAX_SUPER_BLOCK)
     # Workspace: only the blocks a request's own rows need are written and read.
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
@@ -420,10 +577,7 @@ def verify_triton(
         gate_sum, k_normed, solve, scores,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
         scale, N, HV, K, words.shape[-1],
-        # The interpreter's bf16 is unreliable (triton#11584; its 16-bit tl.dot gave
-        # inf here): fp32 operands give the same exact products.
-        BT=ROW_BLOCK, LOWP_QK=q.element_size() == 2 and not interpreting(), num_warps=prepare_warps,
-        **common,
+        BT=ROW_BLOCK, LOWP_QK=lowp, num_warps=prepare_warps, **common,
     )
     BV, warps = default_output_config(B * HV, V)
     BV = max(MIN_BLOCK_V, block_v or BV)

@@ -12,13 +12,15 @@ import collections
 TREE_KERNELS = {
     "triton_ops.tree_conv.conv._tree_conv1d_kernel": "tree conv",
     "triton_ops.tree_conv.conv._tree_conv1d_commit_kernel": "tree conv commit",
-    "triton_ops.gdn_tree.chunk_triton._verify_prepare_kernel": "gdn_tree_verify (prepare)",
-    "triton_ops.gdn_tree.chunk_triton._verify_output_kernel": "gdn_tree_verify (output)",
     "triton_ops.gdn_tree.chunk_triton._commit_kernel": "gdn_tree_commit",
     "triton_ops.tree_attention.attention._tree_attention_split_kernel": "tree attention",
     "triton_ops.tree_attention.attention._tree_attention_merge_kernel": "tree attention merge",
     "triton_ops.tree_attention.kv_commit._tree_kv_commit_kernel": "tree_kv_commit",
 }
+GDN_VERIFY_KERNELS = (  # one of them, by tree size
+    "triton_ops.gdn_tree.chunk_triton._verify_tile_kernel",
+    "triton_ops.gdn_tree.chunk_triton._verify_output_kernel",
+)
 WEAVER_KERNELS = {"triton_ops.pool_logits.pool_logits._pool_logits_kernel": "pool logits"}
 
 LAUNCHES: collections.Counter = collections.Counter()
@@ -83,4 +85,7 @@ def missing_kernels(launches: dict, tree: str, staggered: bool) -> list[str]:
         required[MIXED_GDN] = "mixed prompt + tree GDN batches"
     if tree == "weaver":
         required.update(WEAVER_KERNELS)
-    return [label for name, label in required.items() if launches.get(name, 0) == 0]
+    missing = [label for name, label in required.items() if launches.get(name, 0) == 0]
+    if not any(launches.get(name, 0) for name in GDN_VERIFY_KERNELS):
+        missing.append("gdn_tree_verify")
+    return missing
