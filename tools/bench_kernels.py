@@ -2,6 +2,7 @@
 then one timing table per family.
 
     python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--sweep] [--smoke]
+    ncu --clock-control none -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn
 
 Families: ``gdn`` (tree verify / commit against the per-node-state baseline, fla's chunk
 kernel on a chain of the same N and vLLM's own GDN spec-decode kernel at the same token
@@ -444,6 +445,20 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                  ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
 
 
+def gdn_launches_for_profiler(device) -> list[str]:
+    """Only launch verify + commit twice at the key shapes, for a profiler to read
+    (``ncu -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn``)."""
+    gen = torch.Generator().manual_seed(6)
+    for N, B in ((64, 1), (128, 1), (64, 32)):
+        meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
+        inputs = gdn_inputs(gen, B, N, 16, 48, 128, 128, torch.bfloat16, device)
+        leaf = torch.full((B,), N - 1, device=device)
+        for _ in range(2):
+            gdn_tree_commit(inputs[5], inputs[6], meta, gdn_tree_verify(*inputs, meta), leaf)
+    torch.cuda.synchronize()
+    return ["GDN verify + commit launched at (N, B) = (64, 1), (128, 1), (64, 32), twice each", ""]
+
+
 def bench_gdn(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
@@ -799,6 +814,8 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="add the launch-configuration sweeps")
     parser.add_argument("--skip-baselines", action="store_true",
                         help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
+    parser.add_argument("--profile-gdn", action="store_true",
+                        help="only launch the GDN kernels at the key shapes (run it under ncu)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN: stop starting new timings after this many seconds")
     args = parser.parse_args()
@@ -819,6 +836,9 @@ def main() -> int:
 
         lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         print(lines[-1], flush=True)
+    if args.profile_gdn:
+        only = []
+        lines += gdn_launches_for_profiler(args.device)
     for name in only:
         lines += FAMILIES[name](args)
     lines.append(f"total {time.monotonic() - started:.0f} s; "

@@ -7,7 +7,7 @@ forward substitution over 16-row blocks and the outputs.
 
 Verify, N > 64: two launches, the split fla's chunk kernels use, so that no
 kernel holds the triangular solve and the state products at once. (On the H200
-the split is 2.2x slower than the tile kernel at N = 64 and 3.7x faster at
+the split is 1.8x slower than the tile kernel at N = 64 and 3.7x faster at
 N = 128: both spill, see BENCHMARKS.md; hence the dispatch by N.)
 
 1. ``_verify_prepare_kernel``, one program per (request, value head, block of
