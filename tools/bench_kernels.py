@@ -455,7 +455,8 @@ def gdn_launches_for_profiler(device) -> list[str]:
         leaf = torch.full((B,), N - 1, device=device)
         for _ in range(2):
             gdn_tree_commit(inputs[5], inputs[6], meta, gdn_tree_verify(*inputs, meta), leaf)
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return ["GDN verify + commit launched at (N, B) = (64, 1), (128, 1), (64, 32), twice each", ""]
 
 
@@ -837,6 +838,8 @@ def main() -> int:
         lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         print(lines[-1], flush=True)
     if args.profile_gdn:
+        if args.smoke:
+            parser.error("--profile-gdn launches model shapes: run it on the GPU, without --smoke")
         only = []
         lines += gdn_launches_for_profiler(args.device)
     for name in only:
