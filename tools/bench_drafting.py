@@ -12,7 +12,7 @@ the graph round against the eager reference builder (``backend="torch"``: the fr
 stable sorts); it profiles one eager Weaver round (kernel launches by kernel).
 
     python tools/bench_drafting.py                    # CUDA: checks, then the tables
-    python tools/bench_drafting.py --smoke            # tiny dimensions on CPU, eager
+    python tools/bench_drafting.py --cpu --batches 8 --budgets 64   # the tiny family on CPU
 """
 
 from __future__ import annotations
@@ -35,9 +35,10 @@ QWEN36_WEAVER = dict(d_model=5120, d_embed=5120, d_rank=2048, num_layers=1, num_
                      K=15, candidate_pool_size=512, layout="rope_swiglu")
 QWEN36_PARAMETERS = 56.7e6  # published, rounded to 0.1M
 QWEN36_VOCAB = 248320
-SMOKE_WEAVER = dict(d_model=64, d_embed=64, d_rank=32, num_layers=1, num_heads=2, mlp_dim=64,
-                    K=15, candidate_pool_size=64)
-SMOKE_VOCAB = 512
+# The trained tiny family's Weaver (models/tiny_trained/weaver) and target vocabulary.
+TINY_WEAVER = dict(d_model=256, d_embed=256, d_rank=128, num_layers=1, num_heads=4, mlp_dim=256,
+                   K=15, candidate_pool_size=512, layout="rope_swiglu")
+TINY_VOCAB = 1024
 TREES = ("weaver", "ddtree", "chain")
 
 
@@ -128,16 +129,17 @@ def compare_trees(got, want) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny dimensions on CPU")
+    parser.add_argument("--cpu", action="store_true",
+                        help="the tiny family's dimensions on CPU in bf16 (as the engine runs)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 8, 32])
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--eager-repeats", type=int, default=5)
     args = parser.parse_args()
 
-    device = torch.device("cpu" if args.smoke else "cuda")
-    if args.smoke:
-        dims, vocab, dtype = SMOKE_WEAVER, SMOKE_VOCAB, torch.float32
+    device = torch.device("cpu" if args.cpu else "cuda")
+    if args.cpu:
+        dims, vocab, dtype = TINY_WEAVER, TINY_VOCAB, torch.bfloat16
     else:
         mlp_dim, note = derive_mlp_dim(QWEN36_WEAVER, QWEN36_PARAMETERS)
         print(f"mlp_dim: {note}")
