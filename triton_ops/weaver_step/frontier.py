@@ -7,7 +7,8 @@ ascending). Children rank by (log q descending, pool index ascending). Both
 orders are those of a stable descending sort; the torch path IS that sort,
 the Triton path takes one winner per iteration (at most 32 pops or a fan-out of
 a few children), one program per request or per expanded node, and also does
-the bookkeeping around it, so a pop or a push is one launch.
+the bookkeeping around it, so a pop or a push is one launch. A NaN score ranks
+first in the sort and as -inf in the kernels (a NaN log q is a broken Weaver).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def pop_frontier(frontier: Frontier, tree: GrowingTree, count: int, max_depth: i
         raise ValueError(f"count must be an int in [1, C={C}], got {count!r}")
     if not use_triton(backend, frontier.score):
         return _torch_pop(frontier, tree, count, max_depth)
+    if not all(t.is_contiguous() for t in (*frontier, *tree)):
+        raise ValueError("the frontier and tree tensors must be contiguous (written in place)")
     out = _empty_batch(R, count, frontier.score.device)
     _pop_kernel[(R,)](
         *frontier, *tree, *out, C, tree.tokens.shape[1], max_depth,
@@ -93,9 +96,11 @@ def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: Exp
                          f"{w * children} entries at {start}")
     if not use_triton(backend, rows):
         return _torch_push(frontier, start, rows, batch, pool_ids, children)
-    rows = rows.contiguous()
+    if not all(t.is_contiguous() for t in frontier):
+        raise ValueError("the frontier tensors must be contiguous (written in place)")
     _push_kernel[(R * w,)](
-        *frontier, rows, *batch, pool_ids.contiguous(), start, w, P, pool_ids.shape[1],
+        *frontier, rows.contiguous(), *(t.contiguous() for t in batch), pool_ids.contiguous(),
+        start, w, P, pool_ids.shape[1],
         frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
     )
 
