@@ -437,6 +437,60 @@ def test_sampled_tree_with_traversal_is_a_target_sample():
     assert float(result.accepted_len.double().mean()) > 0.5
 
 
+
+@pytest.mark.parametrize("tree_kind", ["ddtree", "weaver"])
+def test_mixed_batches_draft_each_request_as_alone(tree_kind):
+    """``draft_trees_per_request`` (the proposer's call): deterministic rows are the
+    deterministic batch's rows bit for bit, sampled rows the all-sampled batch's, and
+    the deterministic rows carry no proposal mass; no sampled row is exactly
+    ``draft_trees``."""
+    from vllm_tfm.drafting.draft_round import CandidatePools, draft_trees, draft_trees_per_request
+
+    gen = torch.Generator().manual_seed(seed_of("mixed", tree_kind))
+    R, D, P, V, budget = 5, 4, 8, 40, 9
+    roots, ids, logits = make_pools(gen, R, D, P, V)
+    pools = CandidatePools(ids, logits)
+    extra = {}
+    if tree_kind == "weaver":
+        cfg = WeaverConfig(d_model=32, d_embed=24, d_rank=16, num_layers=1, num_heads=2,
+                           mlp_dim=20, K=5, candidate_pool_size=8, layout="learned_pos",
+                           extra={})
+        weaver = random_weaver(cfg, seed=2)
+        weaver.prepare_tables(torch.randn(V, 24, generator=gen),
+                              torch.randn(V, 32, generator=gen) / 4)
+        extra = dict(weaver=weaver, h_v=torch.randn(R, 32, generator=gen),
+                     dflash_hidden=torch.randn(R, D, 32, generator=gen))
+    seeds = torch.arange(R, dtype=torch.int64) + 11
+    sampled = [True, False, False, True, False]
+    mixed = draft_trees_per_request(tree_kind, roots, pools, budget, sampled, seeds, **extra)
+    assert mixed.sampled
+    plain = draft_trees(tree_kind, roots, pools, budget, **extra)
+    drawn = draft_trees(tree_kind, roots, pools, budget, sample_seeds=seeds, **extra)
+    mixed.validate(vocab_size=V)
+    for r, want in enumerate(sampled):
+        source = drawn if want else plain
+        for name in ("tokens", "parents", "depths", "num_nodes"):
+            assert torch.equal(getattr(mixed, name)[r], getattr(source, name)[r]), (r, name)
+        # Weaver's matmuls round differently for a batch of other size.
+        assert torch.allclose(mixed.draft_logq[r], source.draft_logq[r], rtol=0, atol=1e-5)
+        assert torch.equal(mixed.pool_ids[r], ids[r])
+        if want:
+            assert torch.allclose(mixed.proposal_logq[r], drawn.proposal_logq[r], rtol=0,
+                                  atol=1e-5)
+        else:
+            assert (mixed.proposal_logq[r] == NEG_INF).all()
+    alone = draft_trees_per_request(tree_kind, roots, pools, budget, [False] * R, None, **extra)
+    for f in fields(DraftTree):
+        x, y = getattr(alone, f.name), getattr(plain, f.name)
+        assert torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    with pytest.raises(ValueError, match="sampled trees need seeds"):
+        draft_trees_per_request(tree_kind, roots, pools, budget, sampled, None, **extra)
+    with pytest.raises(ValueError, match="one flag per request"):
+        draft_trees_per_request(tree_kind, roots, pools, budget, sampled[:2], seeds, **extra)
+    with pytest.raises(ValueError, match=r"sampled trees exist for tree in \['weaver', 'ddtree'\]"):
+        draft_trees("chain", roots, pools, budget, sample_seeds=seeds)
+
+
 # -- DraftTree helpers ----------------------------------------------------------------
 
 def test_children_select_truncate_and_metadata():

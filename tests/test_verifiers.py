@@ -676,3 +676,87 @@ def test_bad_inputs_name_the_field(gen):
     with pytest.raises(ValueError, match="draft_logq"):
         DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
                      "draft_logq": tree.draft_logq.double()})
+
+
+# -- the engine's sampled-tree path ---------------------------------------------------
+
+def plackett_luce_weight(tree: DraftTree, r: int) -> float:
+    """Probability that the builder draws row r's children: at each expanded node an
+    ordered draw without replacement from softmax(proposal_logq) over its pool row;
+    once the row's mass is spent the remaining slots are filled deterministically."""
+    weight = 1.0
+    children, _ = tree.children()
+    for u in range(int(tree.num_nodes[r])):
+        kids = [c for c in children[r, u].tolist() if c >= 0]
+        if not kids:
+            continue
+        q = torch.softmax(tree.proposal_logq[r, u].double(), 0)
+        row = tree.pool_ids[r, int(tree.depths[r, u])]
+        undrawn = torch.ones_like(q, dtype=torch.bool)
+        for c in kids:
+            slot = int((row == tree.tokens[r, c]).nonzero()[0, 0])
+            left = float(q[undrawn].sum())
+            if left > 0:
+                weight *= float(q[slot]) / left
+            undrawn[slot] = False
+    return weight
+
+
+def tiny_weaver(vocab: int, gen):
+    from vllm_tfm.drafting.weaver import WeaverConfig
+    from vllm_tfm.drafting.weaver_checkpoint import random_weaver
+
+    cfg = WeaverConfig(d_model=32, d_embed=24, d_rank=16, num_layers=1, num_heads=2, mlp_dim=20,
+                       K=4, candidate_pool_size=8, layout="learned_pos", extra={})
+    weaver = random_weaver(cfg, seed=int(torch.randint(0, 1000, (1,), generator=gen)))
+    # A small head keeps q diffuse, so a few thousand seeds draw every realisation.
+    weaver.prepare_tables(torch.randn(vocab, 24, generator=gen),
+                          torch.randn(vocab, 32, generator=gen) / 8)
+    return weaver
+
+
+@pytest.mark.parametrize("tree_kind", ["ddtree", "weaver"])
+@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros"])
+def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
+    """The proposer's own call (``draft_trees_per_request``, sampled rows, as the
+    engine makes it) at tiny sizes: its trees for many seeds are every realisation of
+    the draw (their probabilities sum to 1), and the realisations' traversal outcomes,
+    weighted by those probabilities, follow the target's multi-step law to 1e-10."""
+    from vllm_tfm.drafting.draft_round import CandidatePools, draft_trees_per_request
+
+    V, D, P, budget, count = 5, 2, 3, 3, 4000
+    pool_ids = torch.stack([torch.randperm(V, generator=gen)[:P] for _ in range(D)])
+    scores = torch.randn(D, P, generator=gen)
+    pools = CandidatePools(pool_ids.expand(count, -1, -1), scores.expand(count, -1, -1))
+    root = int(torch.randint(0, V, (1,), generator=gen))
+    roots = torch.full((count,), root, dtype=torch.int64)
+    weaver = h_v = hidden = None
+    if tree_kind == "weaver":
+        weaver = tiny_weaver(V, gen)
+        h_v = torch.randn(1, 32, generator=gen).expand(count, -1)
+        hidden = torch.randn(1, D, 32, generator=gen).expand(count, -1, -1)
+    seeds = torch.arange(count, dtype=torch.int64) * 7919 + 3
+    trees = draft_trees_per_request(tree_kind, roots, pools, budget, [True] * count, seeds,
+                                    weaver=weaver, h_v=h_v, dflash_hidden=hidden,
+                                    validate=False)
+    assert trees.sampled
+    trees.validate(vocab_size=V)
+    distinct = {}
+    for r, row in enumerate(trees.tokens.tolist()):
+        distinct.setdefault(tuple(row), r)
+    rows = torch.tensor(sorted(distinct.values()))
+    realised = trees.select(rows)
+    weights = [plackett_luce_weight(realised, r) for r in range(len(rows))]
+    assert abs(sum(weights) - 1.0) < TOL, f"realisations seen hold mass {sum(weights)}"
+    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    outcomes = {}
+    for r, tree_weight in enumerate(weights):
+        tree = realised.select(torch.tensor([r]))
+        probs = target_probs(tree, law)
+        plan = traversal_plan(tree, probs)
+        cases = enumerate_plan(tree, probs, plan)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        for path, bonus, weight, _, _ in cases:
+            key = output_of(tree, path, bonus)
+            outcomes[key] = outcomes.get(key, 0.0) + weight * tree_weight
+    assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)

@@ -14,6 +14,8 @@ from typing import Any
 
 METHOD = "dflash_tfm"
 TREE_KINDS = ("weaver", "ddtree", "chain")
+# Tree kinds with a sampled form (children drawn without replacement from the drafter).
+SAMPLED_TREE_KINDS = ("weaver", "ddtree")
 VERIFY_MODES = ("auto", "greedy", "target_only", "traversal")
 DEFAULT_BUDGET = 64
 # Root + budget nodes must fit one tree of at most 128 nodes (the kernels'

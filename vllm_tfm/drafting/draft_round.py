@@ -14,9 +14,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from vllm_tfm.drafting.builders import build_chain, build_ddtree, build_weaver_tree
+from vllm_tfm.drafting.builders import (
+    build_chain,
+    build_ddtree,
+    build_sampled_tree,
+    build_weaver_tree,
+)
 from vllm_tfm.drafting.tree import DraftTree
-from vllm_tfm.options import DEFAULT_FANOUT, TREE_KINDS
+from vllm_tfm.options import DEFAULT_FANOUT, SAMPLED_TREE_KINDS, TREE_KINDS
 
 if TYPE_CHECKING:
     from vllm_tfm.drafting.weaver import Weaver
@@ -64,6 +69,7 @@ def draft_trees(
     expand_width: int | None = None,
     validate: bool = True,
     backend: str = "auto",
+    sample_seeds: torch.Tensor | None = None,
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -83,8 +89,19 @@ def draft_trees(
             pools come from top-k and its nodes from the builders.
         backend: tree "weaver" only: the frontier ops' backend (see
             ``build_weaver_tree``).
+        sample_seeds: None for deterministic trees; [R] int64 per-request seeds
+            for trees whose children are sampled (``build_sampled_tree``, the
+            input traversal verification gains on): tree "weaver" samples from
+            Weaver's q, "ddtree" from the marginals (``fanout`` and
+            ``expand_width`` do not apply); "chain" has no sampled form.
     """
     ids, scores = pools
+    if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
+        raise ValueError(f"sampled trees exist for tree in {list(SAMPLED_TREE_KINDS)}, "
+                         f"got {tree!r}")
+    if tree == "ddtree" and sample_seeds is not None:
+        return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds,
+                                  validate=validate)
     if tree == "chain":
         return build_chain(root_tokens, ids, scores, budget, validate=validate)
     if tree == "ddtree":
@@ -101,10 +118,81 @@ def draft_trees(
         max_nodes=budget + 1,
         validate=validate,
     )
+    if sample_seeds is not None:
+        return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds, session,
+                                  validate=validate)
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
         validate=validate, backend=backend,
     )
+
+
+
+def draft_trees_per_request(
+    tree: str,
+    root_tokens: torch.Tensor,
+    pools: CandidatePools,
+    budget: int,
+    sampled: list[bool],
+    seeds: torch.Tensor | None,
+    *,
+    weaver: Weaver | None = None,
+    h_v: torch.Tensor | None = None,
+    dflash_hidden: torch.Tensor | None = None,
+    **options,
+) -> DraftTree:
+    """Trees for a batch that mixes requests: row r is a sampled tree (seed
+    ``seeds[r]``) where ``sampled[r]``, else the deterministic tree, each as
+    :func:`draft_trees` builds it on its own rows.
+
+    A batch with no sampled row is exactly :func:`draft_trees`' deterministic
+    batch. In a mixed batch the result carries the pools and proposals of a
+    sampled tree for every row; the deterministic rows' proposals are -inf
+    everywhere, so only verifiers that ignore them (greedy, target-only) may
+    read those rows. ``options``: the other arguments of :func:`draft_trees`.
+    """
+    if len(sampled) != root_tokens.shape[0]:
+        raise ValueError(f"sampled must hold one flag per request ({root_tokens.shape[0]}), "
+                         f"got {len(sampled)}")
+    if not any(sampled):
+        return draft_trees(tree, root_tokens, pools, budget, weaver=weaver, h_v=h_v,
+                           dflash_hidden=dflash_hidden, **options)
+    if seeds is None:
+        raise ValueError("sampled trees need seeds")
+    device = root_tokens.device
+    flags = torch.tensor(sampled, device=device)
+    parts = []
+    for want in (False, True):
+        rows = (flags == want).nonzero()[:, 0]
+        if rows.numel() == 0:
+            continue
+        pick = lambda t: None if t is None else t.index_select(0, rows.to(t.device))  # noqa: E731
+        part = draft_trees(
+            tree, root_tokens[rows], CandidatePools(pick(pools.ids), pick(pools.scores)),
+            budget, weaver=weaver, h_v=pick(h_v), dflash_hidden=pick(dflash_hidden),
+            sample_seeds=seeds[rows] if want else None, **options,
+        )
+        parts.append((rows, part))
+    if len(parts) == 1:
+        return parts[0][1]
+    (plain_rows, plain), (sampled_rows, drawn) = parts
+    if plain.tokens.shape[1] != drawn.tokens.shape[1] or plain.max_depth != drawn.max_depth:
+        raise ValueError(f"deterministic and sampled trees differ in shape: "
+                         f"{list(plain.tokens.shape)} depth {plain.max_depth} vs "
+                         f"{list(drawn.tokens.shape)} depth {drawn.max_depth}")
+    plain_pools = pools.ids.index_select(0, plain_rows)
+    joined = DraftTree(
+        tokens=torch.cat([plain.tokens, drawn.tokens]),
+        parents=torch.cat([plain.parents, drawn.parents]),
+        depths=torch.cat([plain.depths, drawn.depths]),
+        num_nodes=torch.cat([plain.num_nodes, drawn.num_nodes]),
+        draft_logq=torch.cat([plain.draft_logq, drawn.draft_logq]),
+        max_depth=drawn.max_depth,
+        pool_ids=torch.cat([plain_pools, drawn.pool_ids]),
+        proposal_logq=torch.cat([torch.full_like(drawn.proposal_logq[:1], float("-inf"))
+                                 .expand(plain_rows.numel(), -1, -1), drawn.proposal_logq]),
+    )
+    return joined.select(torch.argsort(torch.cat([plain_rows, sampled_rows])))
 
 
 class DraftRound:

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from vllm_tfm.drafting.draft_round import draft_depth, draft_trees
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
-from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only
+from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
 from vllm_tfm.drafting.weaver import Weaver
 from vllm_tfm.options import TREE_KINDS, default_candidate_pool
 
@@ -72,13 +72,15 @@ class Drafters:
 
     @torch.no_grad()
     def propose(self, tree: str, budget: int, roots: torch.Tensor, aux: torch.Tensor,
-                anchors: torch.Tensor, h_v: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+                anchors: torch.Tensor, h_v: torch.Tensor,
+                sample_seeds: torch.Tensor | None = None) -> tuple[DraftTree, torch.Tensor]:
         """Draft trees for R requests.
 
         Args:
             roots: [R] int64 root (bonus) tokens, at positions `anchors` [R].
             aux: [R, C, n * d] target layer outputs (positions >= anchors are ignored).
             h_v: [R, d] target final-norm state at positions anchors - 1.
+            sample_seeds: [R] int64: trees whose children are sampled (`draft_trees`).
 
         Returns:
             the trees and their pools' ids [R, D, P].
@@ -93,7 +95,7 @@ class Drafters:
             pool_size = default_candidate_pool(self.target.vocab_size, weaver_pool)
         pools = lm_head_pools(hidden, self.target.lm_head, pool_size)
         trees = draft_trees(tree, roots, pools, budget, weaver=self.weaver, h_v=h_v,
-                            dflash_hidden=hidden)
+                            dflash_hidden=hidden, sample_seeds=sample_seeds)
         return trees, pools.ids
 
 
@@ -181,11 +183,14 @@ def _leaf_paths(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
-             temperature: float, max_new_tokens: int, seed: int) -> RunStats:
+             temperature: float, max_new_tokens: int, seed: int,
+             sampled_trees: bool = False) -> RunStats:
     """Generate at least `max_new_tokens` tokens after `prompt` ([S] int64) with drafting.
 
     temperature 0: greedy (`verify_greedy`); > 0: target samples at that temperature
     (`verify_target_only`), the prefill token drawn with a generator seeded by `seed`.
+    `sampled_trees` (T > 0 only): trees whose children are sampled, verified by
+    traversal (`verify_traversal`), as the engine does for sampled requests.
     """
     drafters.check(tree, budget)
     if temperature < 0 or max_new_tokens < 1 or prompt.numel() < 1:
@@ -207,7 +212,11 @@ def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
     stats = RunStats(tokens=[int(root)])
     while len(stats.tokens) - 1 < max_new_tokens:
         anchor = torch.tensor([session.length], device=device)
-        drafted, pool_ids = drafters.propose(tree, budget, root.view(1), aux, anchor, h_v)
+        seeds = derive_seeds(torch.tensor([seed], device=device), stats.steps)
+        # The tree's draws hash a seed derived from the verifier's: independent streams.
+        tree_seeds = derive_seeds(seeds, -1) if sampled_trees and temperature > 0 else None
+        drafted, pool_ids = drafters.propose(tree, budget, root.view(1), aux, anchor, h_v,
+                                             tree_seeds)
         nodes, paths = _leaf_paths(drafted)
         scored = session.score_paths(paths.to(device)).logits  # [L, S, V]
         node_logits = scored.new_zeros(drafted.max_nodes, scored.shape[-1])
@@ -217,8 +226,8 @@ def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
             result = verify_greedy(drafted, node_logits[None])
         else:
             probs = torch.softmax(node_logits / temperature, -1)
-            seeds = derive_seeds(torch.tensor([seed], device=device), stats.steps)
-            result = verify_target_only(drafted, probs[None], seeds)
+            verifier = verify_traversal if tree_seeds is not None else verify_target_only
+            result = verifier(drafted, probs[None], seeds)
         accepted = int(result.accepted_len[0])
         path = result.path[0, : accepted + 1]
         mass = torch.softmax(node_logits[path[: pool_ids.shape[1]]], -1)

@@ -16,6 +16,7 @@ verify the very tree whose tokens were scheduled.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import numpy as np
 import torch
@@ -27,9 +28,11 @@ from vllm_tfm.drafting.draft_round import (
     candidate_pools,
     draft_depth,
     draft_trees,
+    draft_trees_per_request,
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import TfmOptions
+from vllm_tfm.vllm_glue.verify import request_seeds, sampled_tree_requests
 
 
 def _embedding_and_head(target_model) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +77,8 @@ class TreeProposer(DFlashProposer):
         # budget: the DFlash block must not be longer.
         self.draft_depth = draft_depth(options.budget, options.draft_depth)
         self.trees: DraftTree | None = None
+        # [B] bool on the host: the tree of row b has sampled children.
+        self._sampled_rows: torch.Tensor | None = None
         self._tree_row: dict[str, int] = {}
         self._parents_cpu: np.ndarray | None = None
         self._target_hidden: torch.Tensor | None = None
@@ -127,6 +132,13 @@ class TreeProposer(DFlashProposer):
         rows = torch.tensor([self._tree_row.get(r, 0) for r in req_ids], device=self.device)
         return self.trees.select(rows).truncate(num_nodes.to(self.device))
 
+    def scheduled_sampled(self, req_ids: list[str]) -> torch.Tensor:
+        """[R] bool on the host: the tree drafted for each of ``req_ids`` has sampled
+        children (False for requests drafted nothing for)."""
+        return torch.tensor([req_id in self._tree_row
+                             and bool(self._sampled_rows[self._tree_row[req_id]])
+                             for req_id in req_ids], dtype=torch.bool)
+
     # -- drafting ---------------------------------------------------------------
 
     def _sample_draft_tokens(self, hidden_states, sampling_metadata):
@@ -157,9 +169,13 @@ class TreeProposer(DFlashProposer):
             sampling_metadata, mm_embed_inputs=mm_embed_inputs,
             num_rejected_tokens_gpu=num_rejected_tokens_gpu, slot_mappings=slot_mappings,
         )
-        trees = self._shared_trees(next_token_ids.long())
+        batch = next_token_ids.shape[0]
+        sampled = sampled_tree_requests(self.options, sampling_metadata, batch)
+        # Every tensor-parallel rank draws, so the requests' generators stay in step.
+        seeds = request_seeds(sampling_metadata, batch, self.device) if any(sampled) else None
+        trees = self._shared_trees(next_token_ids.long(), sampled, seeds)
         self.trees = trees
-        batch = trees.tokens.shape[0]
+        self._sampled_rows = torch.tensor(sampled, dtype=torch.bool)
         self._tree_row = {
             req_id: row for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch])
         }
@@ -167,7 +183,8 @@ class TreeProposer(DFlashProposer):
         self._drafted = True
         return self._draft_token_ids(trees)
 
-    def _shared_trees(self, root_tokens: torch.Tensor) -> DraftTree:
+    def _shared_trees(self, root_tokens: torch.Tensor, sampled: list[bool],
+                      seeds: torch.Tensor | None) -> DraftTree:
         """The first tensor-parallel rank's trees, on every rank (see the module docstring).
 
         A failure to grow them is broadcast too, so that no rank waits for trees that
@@ -175,10 +192,10 @@ class TreeProposer(DFlashProposer):
         """
         group = get_tp_group()
         if group.world_size == 1:
-            return self._grow_trees(root_tokens)
+            return self._grow_trees(root_tokens, sampled, seeds)
         if group.rank_in_group == 0:
             try:
-                trees = self._grow_trees(root_tokens)
+                trees = self._grow_trees(root_tokens, sampled, seeds)
             except Exception:
                 group.broadcast_tensor_dict({"failed": True}, src=0)
                 raise
@@ -192,10 +209,17 @@ class TreeProposer(DFlashProposer):
             raise RuntimeError("tensor-parallel rank 0 failed to grow this step's trees")
         return DraftTree(**fields)
 
-    def _grow_trees(self, root_tokens: torch.Tensor) -> DraftTree:
-        """The tree-build stage (tools/bench_e2e.py --breakdown times this method)."""
+    def _grow_trees(self, root_tokens: torch.Tensor, sampled: list[bool],
+                    seeds: torch.Tensor | None) -> DraftTree:
+        """The tree-build stage (tools/bench_e2e.py --breakdown times this method).
+
+        ``sampled[b]``: row b gets a tree whose children are sampled, with seed
+        ``seeds[b]`` (see ``verify.sampled_tree_requests``).
+        """
         # Pools come from top-k and nodes from the builders: no host-side checks.
-        return draft_trees(
+        build = draft_trees if not any(sampled) else partial(draft_trees_per_request,
+                                                             sampled=sampled, seeds=seeds)
+        return build(
             self.options.tree, root_tokens, self._pools, self.options.budget,
             weaver=self.weaver, h_v=self._target_hidden, dflash_hidden=self._dflash_hidden,
             fanout=self.options.fanout, expand_width=self.options.resolved_expand_width,

@@ -7,8 +7,14 @@ repetition penalties, allowed token ids, bad words, min_tokens), each node
 seeing the request's output followed by its own root-to-node path, then
 through vLLM's own temperature / top-k / top-p processing; the drafting
 core's verifiers accept one root-to-node path plus a bonus token per request.
-Greedy requests always use the greedy verifier (their target distribution is
-a point mass); sampled requests use ``verify`` ("auto" = traversal).
+Greedy requests always use the greedy verifier on deterministic trees (their
+target distribution is a point mass). Sampled requests (temperature > 0), per
+request in the same batch (:func:`sampled_tree_requests`): "traversal" drafts
+trees whose children are sampled and verifies them by traversal; "target_only"
+drafts deterministic trees and verifies them target-only; "auto" picks the pair
+with the higher expected acceptance (BENCHMARKS.md, "Sampled trees"): sampled
+tree + traversal for tree kinds with a sampled form (weaver, ddtree), else
+(chain) the deterministic tree + target-only, which is optimal there.
 ``sample_roots`` is the fallback that trusts no tree: vLLM's own sampler at
 every root, i.e. one step of plain decoding.
 """
@@ -31,10 +37,13 @@ from vllm_tfm.drafting.verifiers import (
     verify_target_only,
     verify_traversal,
 )
+from vllm_tfm.options import SAMPLED_TREE_KINDS, TfmOptions
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
-_SAMPLED_VERIFIERS = {
-    "auto": verify_traversal,
+# Verifier of a sampled request whose tree is deterministic. Traversal has exactly
+# target-only's outcome law there, at a higher cost, so "auto" takes target-only.
+_DETERMINISTIC_TREE_VERIFIERS = {
+    "auto": verify_target_only,
     "traversal": verify_traversal,
     "target_only": verify_target_only,
 }
@@ -113,7 +122,27 @@ def apply_request_processing(node_logits: torch.Tensor, tree: DraftTree, samplin
     return flat.view(rows, width, vocab)
 
 
-def _request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
+def greedy_requests(sampling, num_reqs: int, device) -> torch.Tensor:
+    """[R] bool: the request decodes greedily (temperature 0)."""
+    if sampling.all_greedy:
+        return torch.ones(num_reqs, dtype=torch.bool, device=device)
+    return sampling.temperature[:num_reqs].to(device) < _GREEDY_TEMPERATURE_EPS
+
+
+def sampled_tree_requests(options: TfmOptions, sampling, num_reqs: int) -> list[bool]:
+    """Per request: draft a tree whose children are sampled (verified by traversal).
+
+    True for the sampled requests (temperature > 0) under ``verify`` "traversal"
+    or "auto", when the tree kind has a sampled form; greedy requests and
+    "target_only" / "greedy" keep deterministic trees.
+    """
+    if (options.verify not in ("auto", "traversal") or options.tree not in SAMPLED_TREE_KINDS
+            or sampling is None or sampling.all_greedy):
+        return [False] * num_reqs
+    return (~greedy_requests(sampling, num_reqs, "cpu")).tolist()
+
+
+def request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
     """A fresh seed per request and step: drawn from the request's own
     generator when it has a seed (so its output is reproducible whatever the
     batch), else from the global generator."""
@@ -127,36 +156,49 @@ def _request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
     return seeds.to(device)
 
 
-def _merge(greedy: VerifyResult, sampled: VerifyResult, is_greedy: torch.Tensor) -> VerifyResult:
+def _merge(chosen: VerifyResult, other: VerifyResult, take: torch.Tensor) -> VerifyResult:
+    """Per request: ``chosen``'s result where ``take`` ([R] bool), else ``other``'s."""
     pick = lambda a, b: torch.where(  # noqa: E731
-        is_greedy.view(-1, *([1] * (a.dim() - 1))), a, b
+        take.view(-1, *([1] * (a.dim() - 1))), a, b
     )
     return VerifyResult(
-        accepted_leaf=pick(greedy.accepted_leaf, sampled.accepted_leaf),
-        accepted_len=pick(greedy.accepted_len, sampled.accepted_len),
-        path=pick(greedy.path, sampled.path),
-        bonus_token=pick(greedy.bonus_token, sampled.bonus_token),
-        output_tokens=pick(greedy.output_tokens, sampled.output_tokens),
+        accepted_leaf=pick(chosen.accepted_leaf, other.accepted_leaf),
+        accepted_len=pick(chosen.accepted_len, other.accepted_len),
+        path=pick(chosen.path, other.path),
+        bonus_token=pick(chosen.bonus_token, other.bonus_token),
+        output_tokens=pick(chosen.output_tokens, other.output_tokens),
     )
 
 
 def verify_trees(
     tree: DraftTree, logits: torch.Tensor, processed: torch.Tensor, is_greedy: torch.Tensor,
-    seeds: torch.Tensor, mode: str,
+    sampled_tree: torch.Tensor, seeds: torch.Tensor, mode: str,
 ) -> VerifyResult:
     """Accept one path per request.
 
     Args:
         logits: [R, N, V] target logits per node after the request-level
             processing; processed: the same after temperature / top-k / top-p;
-            is_greedy: [R] bool.
+            is_greedy: [R] bool; sampled_tree: [R] bool on the host, the
+            request's tree has sampled children (traversal verifies it; the
+            other sampled requests take ``mode``'s deterministic-tree verifier).
     """
-    greedy = verify_greedy(tree, logits, validate=False)
+    result = verify_greedy(tree, logits, validate=False)
     if bool(is_greedy.all()):
-        return greedy
+        return result
     probs = torch.softmax(processed.float(), dim=-1)
-    sampled = _SAMPLED_VERIFIERS[mode](tree, probs, seeds, validate=False)
-    return _merge(greedy, sampled, is_greedy)
+    sampled_tree = sampled_tree.to(is_greedy.device) & ~is_greedy
+    if bool(sampled_tree.any()):
+        traversal = verify_traversal(tree, probs, seeds, validate=False)
+        result = _merge(traversal, result, sampled_tree)
+    deterministic = ~is_greedy & ~sampled_tree
+    if bool(deterministic.any()):
+        # A batch holding sampled trees carries proposals on every row; these rows' trees
+        # are deterministic and are verified as such.
+        plain = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
+        verified = _DETERMINISTIC_TREE_VERIFIERS[mode](plain, probs, seeds, validate=False)
+        result = _merge(verified, result, deterministic)
+    return result
 
 
 def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOutput:
@@ -169,10 +211,9 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     raw = logits.float()
     node_logits = apply_request_processing(_node_logits(raw, spec_metadata, num_nodes), tree,
                                            sampling)
-    is_greedy = torch.ones(num_reqs, dtype=torch.bool, device=raw.device)
+    is_greedy = greedy_requests(sampling, num_reqs, raw.device)
     processed = node_logits
     if not sampling.all_greedy:
-        is_greedy = sampling.temperature[:num_reqs] < _GREEDY_TEMPERATURE_EPS
         width = node_logits.shape[1]
         # Every request owns `width` consecutive rows of the flattened node logits.
         cu_rows = width * torch.arange(1, num_reqs + 1, dtype=torch.int32, device=raw.device)
@@ -181,9 +222,10 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
         ).view_as(node_logits)
     if options.verify == "greedy":
         is_greedy = torch.ones_like(is_greedy)
-    seeds = _request_seeds(sampling, num_reqs, raw.device)
+    seeds = request_seeds(sampling, num_reqs, raw.device)
     mode = "auto" if options.verify == "greedy" else options.verify
-    result = verify_trees(tree, node_logits, processed, is_greedy, seeds, mode)
+    sampled_tree = runner.drafter.scheduled_sampled(step.req_ids)
+    result = verify_trees(tree, node_logits, processed, is_greedy, sampled_tree, seeds, mode)
     step.accepted_leaf = result.accepted_leaf
     width = spec_metadata.max_spec_len + 1
     sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=raw.device)
