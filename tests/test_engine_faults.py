@@ -21,7 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from test_engine import assert_lossless, tfm_config  # noqa: E402
 
-from vllm_tfm.tiny.engine_runs import PROMPTS, cpu_engine, engine_greedy, top2_margins  # noqa: E402
+from vllm_tfm.tiny.engine_runs import (  # noqa: E402
+    PROMPTS, cpu_engine, engine_counters, engine_greedy, greedy_outputs,
+)
 from vllm_tfm.tiny.family import trained_family  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -44,25 +46,16 @@ def tree_faults(caplog) -> list[str]:
 
 
 def greedy_run(target, speculative_config, prompts, max_tokens: int, **engine) -> dict:
-    """`engine_greedy`'s result for an engine built with `engine` overrides, plus vLLM's
-    preemption and spec-decode counters."""
-    from vllm import SamplingParams
-
+    """`greedy_outputs` of an engine built with `engine` overrides, plus vLLM's preemption
+    and draft counters."""
     llm = cpu_engine(target, speculative_config, max_num_seqs=len(prompts),
                      disable_log_stats=False, **engine)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(list(prompts), params, use_tqdm=False)
-    counters = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
+    result = greedy_outputs(llm, prompts, max_tokens)
+    counters = engine_counters(llm)
     del llm  # before the next engine starts: its teardown resets global state
     gc.collect()
-    completions = [output.outputs[0] for output in outputs]
-    return {
-        "prompt_ids": [list(output.prompt_token_ids) for output in outputs],
-        "tokens": [list(completion.token_ids) for completion in completions],
-        "margins": [top2_margins(completion.logprobs) for completion in completions],
-        "preemptions": int(counters.get("vllm:num_preemptions", 0)),
-        "num_drafts": int(counters.get("vllm:spec_decode_num_drafts", 0)),
-    }
+    return {**result, "preemptions": counters.get("vllm:num_preemptions", 0),
+            "num_drafts": counters.get("vllm:spec_decode_num_drafts", 0)}
 
 
 def test_preemption_under_kv_cache_pressure_stays_lossless(family, caplog):

@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from test_engine import _chi_square_p_value, _sample_sequences, assert_lossless  # noqa: E402
 
-from vllm_tfm.tiny.engine_runs import PROMPTS, cpu_engine, top2_margins  # noqa: E402
+from vllm_tfm.tiny.engine_runs import PROMPTS, cpu_engine, greedy_outputs, spec_counters  # noqa: E402
 from vllm_tfm.tiny.family import trained_family_with_experts  # noqa: E402
 
 pytestmark = [
@@ -54,26 +54,15 @@ def family():
 def tp_run(family, speculative_config) -> dict:
     """One TP engine: greedy PROMPTS (32 tokens, top-2 logprobs), then SAMPLES seeded
     sampled sequences of PROMPTS[0] (twice with speculation: seeds must reproduce)."""
-    from vllm import SamplingParams
-
     llm = cpu_engine(family.target, speculative_config, tensor_parallel_size=TP,
                      max_num_seqs=64, disable_log_stats=False)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(list(PROMPTS), params, use_tqdm=False)
-    counters = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
+    result = greedy_outputs(llm, PROMPTS, 32)
+    drafts, accepted = spec_counters(llm)
     sampled = [_sample_sequences(llm, SAMPLES, SAMPLED_TOKENS)
                for _ in range(1 if speculative_config is None else 2)]
     del llm  # before the next engine starts: its teardown resets global state
     gc.collect()
-    completions = [output.outputs[0] for output in outputs]
-    return {
-        "prompt_ids": [list(output.prompt_token_ids) for output in outputs],
-        "tokens": [list(completion.token_ids) for completion in completions],
-        "margins": [top2_margins(completion.logprobs) for completion in completions],
-        "drafts": int(counters.get("vllm:spec_decode_num_drafts", 0)),
-        "accepted": int(counters.get("vllm:spec_decode_num_accepted_tokens", 0)),
-        "sampled": sampled,
-    }
+    return {**result, "drafts": drafts, "accepted": accepted, "sampled": sampled}
 
 
 @pytest.fixture(scope="module")

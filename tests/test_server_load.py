@@ -14,8 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,8 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from test_engine import _free_port, tfm_config
-from vllm_tfm.tiny.engine_runs import PROMPTS, TIE_MARGIN
+from test_engine import tfm_config
+from vllm_tfm.tiny.engine_runs import (
+    CPU_SERVER_ARGS, PROMPTS, TIE_MARGIN, free_port, running_server,
+)
 from vllm_tfm.tiny.family import trained_family
 
 pytestmark = pytest.mark.engine
@@ -40,18 +40,15 @@ LOAD = 64
 def server(tmp_path_factory):
     """(base URL, model name, its log file) of a running server; stopped after the
     module."""
-    import httpx
     from transformers import AutoTokenizer
 
     family = trained_family()
     tokenizer = AutoTokenizer.from_pretrained(str(family.target), local_files_only=True)
     victim_ids = tokenizer(VICTIM_PROMPT)["input_ids"]
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(family.target), "--dtype", "bfloat16", "--enforce-eager",
-        "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
-        "--max-model-len", "512", "--max-num-seqs", str(LOAD),
+        "--model", str(family.target), *CPU_SERVER_ARGS, "--max-num-seqs", str(LOAD),
         "--host", "127.0.0.1", "--port", str(port),
         "--speculative-config", json.dumps(tfm_config(family, "weaver", 16)),
     ]
@@ -60,29 +57,8 @@ def server(tmp_path_factory):
                "PYTHONPATH")])]),
            "TFM_HOOK_FAIL": json.dumps({"stage": "commit", "rank": 0, "prompt": victim_ids})}
     log_path = tmp_path_factory.mktemp("server") / "server.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "server did not start in 300 s"
-            time.sleep(1)
+    with running_server(command, port, log_path, start_timeout_s=300, env=env) as base:
         yield base, str(family.target), log_path
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 def tree_faults(log_path: Path) -> list[str]:

@@ -13,12 +13,16 @@ accepted length from vLLM's spec-decode counters (`mean_accepted_length`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import torch
@@ -62,6 +66,50 @@ ENGINE_ENV = {
 }
 # pyproject's `vllm.general_plugins` entry point; VLLM_PLUGINS lists the plugins vLLM loads.
 PLUGIN_NAME = "dflash_tfm"
+# The same settings as `vllm serve` arguments (seed aside: the server's default).
+CPU_SERVER_ARGS = (
+    "--dtype", "bfloat16", "--enforce-eager", "--no-enable-prefix-caching",
+    "--kv-cache-memory-bytes", str(64 << 20), "--max-model-len", "512",
+)
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], port: int, log_path: Path, start_timeout_s: float,
+                   env: dict[str, str] | None = None, stop_timeout_s: float = 30.0):
+    """Runs `command`, an OpenAI server listening on 127.0.0.1:`port`, in a process group
+    of its own with its output in `log_path`; yields its base URL once /health answers, and
+    stops the whole group afterwards (SIGTERM, then SIGKILL after `stop_timeout_s`)."""
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s
+        while True:
+            assert process.poll() is None, log_path.read_text(errors="replace")[-4000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=2):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline, (
+                    f"server did not start in {start_timeout_s:.0f} s:\n"
+                    + log_path.read_text(errors="replace")[-4000:])
+                time.sleep(1)
+        yield base
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def cpu_engine(model: str | os.PathLike, speculative_config: dict | None = None, **overrides):
@@ -112,14 +160,7 @@ def engine_greedy(
     llm = cpu_engine(target, speculative_config, max_num_seqs=len(prompts),
                      disable_log_stats=False)
     start_s = time.perf_counter() - started
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    outputs = llm.generate(list(prompts), params, use_tqdm=False)
-    result: dict = {"start_s": start_s, "prompt_ids": [], "tokens": [], "margins": []}
-    for output in outputs:
-        completion = output.outputs[0]
-        result["prompt_ids"].append(list(output.prompt_token_ids))
-        result["tokens"].append(list(completion.token_ids))
-        result["margins"].append(top2_margins(completion.logprobs))
+    result = {"start_s": start_s, **greedy_outputs(llm, prompts, max_tokens)}
     if speculative_config is None:
         chat = llm.chat(
             [{"role": "user", "content": "Write a function."}],
@@ -132,12 +173,33 @@ def engine_greedy(
     return result
 
 
+def greedy_outputs(llm, prompts, max_tokens: int) -> dict:
+    """Greedy `prompts` through `llm`, top-2 logprobs kept: per prompt its `prompt_ids`, the
+    generated `tokens` and their `margins` (top-1 minus top-2 logprob at each position)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outputs = llm.generate(list(prompts), params, use_tqdm=False)
+    completions = [output.outputs[0] for output in outputs]
+    return {
+        "prompt_ids": [list(output.prompt_token_ids) for output in outputs],
+        "tokens": [list(completion.token_ids) for completion in completions],
+        "margins": [top2_margins(completion.logprobs) for completion in completions],
+    }
+
+
+def engine_counters(llm) -> dict[str, int]:
+    """vLLM's counters so far by name (``vllm:num_preemptions``, the spec-decode ones...);
+    the engine needs `disable_log_stats=False`."""
+    return {metric.name: int(getattr(metric, "value", 0)) for metric in llm.get_metrics()}
+
+
 def spec_counters(llm) -> tuple[int, int]:
-    """(drafts, accepted draft tokens) so far, from vLLM's spec-decode counters (the engine
-    needs `disable_log_stats=False`); (0, 0) without speculation."""
-    values = {metric.name: getattr(metric, "value", 0) for metric in llm.get_metrics()}
-    return (int(values.get("vllm:spec_decode_num_drafts", 0)),
-            int(values.get("vllm:spec_decode_num_accepted_tokens", 0)))
+    """(drafts, accepted draft tokens) so far, from vLLM's spec-decode counters; (0, 0)
+    without speculation."""
+    values = engine_counters(llm)
+    return (values.get("vllm:spec_decode_num_drafts", 0),
+            values.get("vllm:spec_decode_num_accepted_tokens", 0))
 
 
 def mean_accepted_length(drafts: int, accepted: int) -> float | None:
