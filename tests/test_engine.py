@@ -21,13 +21,16 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from vllm_tfm.tiny.engine_runs import (  # noqa: E402
+    CPU_SERVER_ARGS,
     PROMPTS,
     TIE_MARGIN,
     compare_greedy,
     cpu_engine,
     engine_greedy,
+    free_port,
     greedy_regrets,
     mean_accepted_length,
+    running_server,
     top2_margins,
 )
 from vllm_tfm.tiny.family import build_family, trained_family  # noqa: E402
@@ -488,14 +491,6 @@ def test_plugin_registration_is_idempotent_and_lists_its_patches():
         sorted(_marked_attributes() - applied))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _post(url: str, body: dict) -> dict:
     import json
     import urllib.request
@@ -506,36 +501,18 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def test_openai_server_answers_with_dflash_tfm(family):
+def test_openai_server_answers_with_dflash_tfm(family, tmp_path):
     import json
-    import signal
-    import subprocess
     import sys
-    import time
     import urllib.error
-    import urllib.request
 
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(family.target), "--dtype", "bfloat16", "--enforce-eager",
-        "--no-enable-prefix-caching", "--kv-cache-memory-bytes", str(64 << 20),
-        "--max-model-len", "512", "--host", "127.0.0.1", "--port", str(port),
-        "--speculative-config", json.dumps(tfm_config(family, budget=16)),
+        "--model", str(family.target), *CPU_SERVER_ARGS, "--host", "127.0.0.1",
+        "--port", str(port), "--speculative-config", json.dumps(tfm_config(family, budget=16)),
     ]
-    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()[-4000:]
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2):
-                    break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not start in 240 s"
-                time.sleep(1)
+    with running_server(command, port, tmp_path / "server.log", start_timeout_s=240) as base:
         completion = _post(f"{base}/v1/completions", {
             "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 12,
             "temperature": 0, "return_token_ids": True,
@@ -563,10 +540,3 @@ def test_openai_server_answers_with_dflash_tfm(family):
             "temperature": 0, "return_token_ids": True,
         })
         assert again["choices"][0]["token_ids"] == choice["token_ids"]
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
