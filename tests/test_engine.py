@@ -231,7 +231,19 @@ def _sample_sequences(llm, count: int, max_tokens: int) -> Counter:
 
 
 @pytest.mark.parametrize("verify", ["auto", "target_only"])
-def test_sampling_matches_the_target_distribution(family, verify):
+def test_sampling_matches_the_target_distribution(family, verify, monkeypatch):
+    """T = 1: "auto" drafts Weaver trees whose children are sampled and verifies them by
+    traversal; "target_only" drafts deterministic trees."""
+    from vllm_tfm.vllm_glue import proposer
+
+    sampled_builds = []
+    build = proposer.draft_trees_per_request
+
+    def record(*args, sampled, **kwargs):
+        sampled_builds.append(any(sampled))
+        return build(*args, sampled=sampled, **kwargs)
+
+    monkeypatch.setattr(proposer, "draft_trees_per_request", record)
     count, max_tokens = 300, 3
     llm = make_llm(family, None, max_num_seqs=64)
     reference = _sample_sequences(llm, count, max_tokens)
@@ -244,6 +256,7 @@ def test_sampling_matches_the_target_distribution(family, verify):
     gc.collect()
     assert speculative == again, "seeded sampling must be reproducible"
     assert _chi_square_p_value(reference, speculative) > 1e-3
+    assert (verify == "auto") == (bool(sampled_builds) and all(sampled_builds))
 
 
 def test_contexts_reaching_max_model_len_stay_lossless(trained):

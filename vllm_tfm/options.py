@@ -16,6 +16,12 @@ METHOD = "dflash_tfm"
 TREE_KINDS = ("weaver", "ddtree", "chain")
 # Tree kinds with a sampled form (children drawn without replacement from the drafter).
 SAMPLED_TREE_KINDS = ("weaver", "ddtree")
+# verify "auto", per tree kind: sampled requests at this temperature or above get
+# sampled trees + traversal, cooler ones deterministic trees + target-only. Measured on
+# the tiny trained family (BENCHMARKS.md, "Sampled trees"): sampled DDTrees win at
+# T = 0.2, 0.5 and 1; sampled Weaver trees win at T = 1 and tie at 0.5 and 0.2, where
+# Weaver's best-first tree already follows the cooled target (q is a T = 1 law).
+AUTO_SAMPLED_TREE_MIN_TEMPERATURE = {"weaver": 0.75, "ddtree": 0.0}
 VERIFY_MODES = ("auto", "greedy", "target_only", "traversal")
 DEFAULT_BUDGET = 64
 # Root + budget nodes must fit one tree of at most 128 nodes (the kernels'

@@ -12,9 +12,11 @@ target distribution is a point mass). Sampled requests (temperature > 0), per
 request in the same batch (:func:`sampled_tree_requests`): "traversal" drafts
 trees whose children are sampled and verifies them by traversal; "target_only"
 drafts deterministic trees and verifies them target-only; "auto" picks the pair
-with the higher expected acceptance (BENCHMARKS.md, "Sampled trees"): sampled
-tree + traversal for tree kinds with a sampled form (weaver, ddtree), else
-(chain) the deterministic tree + target-only, which is optimal there.
+with the higher measured acceptance (BENCHMARKS.md, "Sampled trees"): sampled
+tree + traversal at temperatures from the tree kind's
+``options.AUTO_SAMPLED_TREE_MIN_TEMPERATURE`` (weaver 0.75, ddtree any), else the
+deterministic tree + target-only, which is optimal among verifiers of a
+deterministic tree (always for chain, which has no sampled form).
 ``sample_roots`` is the fallback that trusts no tree: vLLM's own sampler at
 every root, i.e. one step of plain decoding.
 """
@@ -37,7 +39,7 @@ from vllm_tfm.drafting.verifiers import (
     verify_target_only,
     verify_traversal,
 )
-from vllm_tfm.options import SAMPLED_TREE_KINDS, TfmOptions
+from vllm_tfm.options import AUTO_SAMPLED_TREE_MIN_TEMPERATURE, SAMPLED_TREE_KINDS, TfmOptions
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
 # Verifier of a sampled request whose tree is deterministic. Traversal has exactly
@@ -132,14 +134,18 @@ def greedy_requests(sampling, num_reqs: int, device) -> torch.Tensor:
 def sampled_tree_requests(options: TfmOptions, sampling, num_reqs: int) -> list[bool]:
     """Per request: draft a tree whose children are sampled (verified by traversal).
 
-    True for the sampled requests (temperature > 0) under ``verify`` "traversal"
-    or "auto", when the tree kind has a sampled form; greedy requests and
-    "target_only" / "greedy" keep deterministic trees.
+    True, when the tree kind has a sampled form, for the sampled requests
+    (temperature > 0) under ``verify`` "traversal", and for those at the tree
+    kind's ``AUTO_SAMPLED_TREE_MIN_TEMPERATURE`` or above under "auto"; greedy
+    requests and "target_only" / "greedy" keep deterministic trees.
     """
     if (options.verify not in ("auto", "traversal") or options.tree not in SAMPLED_TREE_KINDS
             or sampling is None or sampling.all_greedy):
         return [False] * num_reqs
-    return (~greedy_requests(sampling, num_reqs, "cpu")).tolist()
+    lowest = _GREEDY_TEMPERATURE_EPS
+    if options.verify == "auto":
+        lowest = max(lowest, AUTO_SAMPLED_TREE_MIN_TEMPERATURE[options.tree])
+    return (sampling.temperature[:num_reqs].cpu() >= lowest).tolist()
 
 
 def request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
