@@ -399,7 +399,7 @@ class OracleDrafters(acceptance.Drafters):
         super().__init__(base.target, base.dflash)
         self.truth, self.rule = truth, rule
 
-    def propose(self, method, budget, roots, aux, anchors, h_v):
+    def propose(self, method, budget, roots, aux, anchors, h_v, sample_seeds=None):
         depth = self.depth(method, budget)
         vocab = self.target.vocab_size
         rows = []
