@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_tfm.vllm_glue import tree_step
+from vllm_tfm.vllm_glue.config import select_model_runner_v1
 from vllm_tfm.vllm_glue.runner import wrap_determine_batch_execution_and_padding, wrap_init
 
 
@@ -48,3 +49,18 @@ def test_a_new_runner_drops_the_tree_step_a_failed_forward_left_active():
     not_tree = SimpleNamespace(additional_config=None, speculative_config=None)
     init(SimpleNamespace(), not_tree, "cpu")
     assert tree_step.active() is None
+
+
+def test_model_runner_v1_is_chosen_past_vllms_env_cache(monkeypatch):
+    """An engine core that started earlier in this process left vLLM's env cache holding
+    VLLM_USE_V2_MODEL_RUNNER=1: a dflash_tfm engine must still get V1."""
+    import vllm.envs as envs
+
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    envs.enable_envs_cache()
+    try:
+        assert envs.VLLM_USE_V2_MODEL_RUNNER
+        select_model_runner_v1()
+        assert envs.VLLM_USE_V2_MODEL_RUNNER is False
+    finally:
+        envs.disable_envs_cache()

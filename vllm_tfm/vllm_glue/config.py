@@ -71,7 +71,7 @@ def wrap_create_engine_config(original):
                  self.attention_backend)
         if not _on_cpu():
             # The tree path patches model runner V1 and the TRITON_ATTN backend.
-            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+            select_model_runner_v1()
             if self.attention_backend is None and self.attention_config.backend is None:
                 # vLLM refuses both fields set, so only fill an unset choice.
                 self.attention_backend = CUDA_ATTENTION_BACKEND
@@ -152,6 +152,19 @@ def _check_engine_args(engine_args) -> None:
             f"attention_backend must be {CUDA_ATTENTION_BACKEND!r} (or unset) with speculative "
             f"method '{METHOD}' on GPUs, got {name!r}"
         )
+
+
+def select_model_runner_v1() -> None:
+    """Make this process's next engine take model runner V1.
+
+    vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` through ``vllm.envs``, which caches every
+    variable once an engine core has started in the process: drop that cache (vLLM's own
+    reset; the next engine core caches again) so an earlier engine's value is not reused.
+    """
+    import vllm.envs as envs
+
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    envs.disable_envs_cache()
 
 
 def _on_cpu() -> bool:
