@@ -8,6 +8,7 @@ descending sort breaks them). Each torch path is the reference; ``naive`` holds
 float64 forms of the numeric ops.
 """
 
+from triton_ops.weaver_step.attention import apply_rotary, node_attention
 from triton_ops.weaver_step.frontier import (
     ExpandBatch,
     Frontier,
@@ -16,9 +17,8 @@ from triton_ops.weaver_step.frontier import (
     push_children,
 )
 from triton_ops.weaver_step.naive import naive_node_attention, naive_rms_norm
-from triton_ops.weaver_step.node_attention import apply_rotary, node_attention
 from triton_ops.weaver_step.node_paths import NodePlaces, extend_paths
-from triton_ops.weaver_step.rms_norm import rms_norm
+from triton_ops.weaver_step.norm import rms_norm
 
 __all__ = [
     "ExpandBatch",
