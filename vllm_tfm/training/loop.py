@@ -363,6 +363,13 @@ def train(args: argparse.Namespace, runtime: Runtime, job: Job, out: str | Path)
     return run
 
 
+def report(runtime: Runtime, summary: dict) -> dict:
+    """A command's summary, printed as one JSON line (its history aside) by the main process."""
+    if runtime.is_main:
+        print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
+    return summary
+
+
 def write_curves(out: str | Path, history: list[dict], losses: list[list[float]]) -> None:
     """<out>.training.json (both lists) and <out>.training.png: training loss per step
     with the held-out losses, and the held-out acceptance estimates (tau, alpha)."""

@@ -44,6 +44,7 @@ from vllm_tfm.training.loop import (
     Job,
     add_run_args,
     fill_family_defaults,
+    report,
     setup_runtime,
     step_generator,
     train,
@@ -126,10 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     drafter.train()
     job = Job(name="dflash", model=drafter, objective=BlockObjective(drafter, stored.train, head),
               sample=sample, evaluate=evaluate, export=lambda step: drafter.save(out))
-    summary = train(args, runtime, job, out).summary(out=str(out))
-    if runtime.is_main:
-        print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return summary
+    return report(runtime, train(args, runtime, job, out).summary(out=str(out)))
 
 
 if __name__ == "__main__":

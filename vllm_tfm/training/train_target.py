@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import shutil
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from vllm_tfm.training.loop import (
     Job,
     add_run_args,
     fill_family_defaults,
+    report,
     setup_runtime,
     step_generator,
     train,
@@ -114,10 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     job = Job(name="target", model=model, objective=objective, sample=sample,
               evaluate=evaluate, export=lambda step: save_model(model, config_dir, out))
-    summary = train(args, runtime, job, out).summary(out=str(out))
-    if runtime.is_main:
-        print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return summary
+    return report(runtime, train(args, runtime, job, out).summary(out=str(out)))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ from vllm_tfm.training.loop import (
     Job,
     add_run_args,
     fill_family_defaults,
+    report,
     setup_runtime,
     step_generator,
     train,
@@ -211,12 +212,9 @@ def main(argv: list[str] | None = None) -> dict:
     objective = LKObjective(weaver, drafter, stored.train, head, args.pool_size)
     job = Job(name="weaver", model=weaver, objective=objective, sample=sample,
               evaluate=evaluate, export=export)
-    summary = train(args, runtime, job, out).summary(
+    return report(runtime, train(args, runtime, job, out).summary(
         out=str(out), public_out=str(public_out), heldout_pool_retained_mass=pool_mass,
-        heldout_greedy_tau=baselines)
-    if runtime.is_main:
-        print(json.dumps({k: v for k, v in summary.items() if k != "history"}))
-    return summary
+        heldout_greedy_tau=baselines))
 
 
 if __name__ == "__main__":
