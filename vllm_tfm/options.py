@@ -34,6 +34,12 @@ DEFAULT_BASELINE_POOL = 512
 DEFAULT_FANOUT = 8
 # DFlash drafters are trained with a block of 16: bonus token + 15 masks.
 DFLASH_DRAFT_DEPTH = 15
+# Tokens one target forward may score across the batch before the default budget rule
+# shrinks the trees. Measured at Qwen3.6-27B shapes on the H200 (DESIGN.md section 4, one
+# CUDA graph): 65 tokens cost 1.34x one decode token, 129 tokens 2.23x, so the knee past
+# which the forward stops costing about one weight read lies between; 96 keeps budget 64
+# for one request and not 127. tools/bench_speed.py measures the step times to refine it.
+DEFAULT_STEP_TOKENS = 96
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,24 +55,135 @@ class TfmOptions:
     # None until resolved against the checkpoint (``resolve_candidate_pool``).
     candidate_pool: int | None = None
     draft_depth: int = DFLASH_DRAFT_DEPTH
+    # The per-step budget rule: ((max running requests, budget), ...), max running
+    # requests ascending; a step with R requests takes the first row with R <= max, the
+    # last row's budget past the table. None: ``default_budget_table(budget)``.
+    budget_by_batch: tuple[tuple[int, int], ...] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> TfmOptions:
+        table = values.get("budget_by_batch")
+        if table is not None:  # JSON and pickles may hand back lists
+            values = {**values, "budget_by_batch": tuple(tuple(row) for row in table)}
         return cls(**values)
 
     @property
-    def resolved_expand_width(self) -> int:
+    def budget_table(self) -> tuple[tuple[int, int], ...]:
+        if self.budget_by_batch is not None:
+            return self.budget_by_batch
+        return default_budget_table(self.budget, self.draft_depth)
+
+    @property
+    def step_budgets(self) -> tuple[int, ...]:
+        """Every budget ``step_budget`` can pick, ascending: a runner that captures one
+        graph per tree size sizes its captures from these."""
+        return tuple(sorted({budget for _, budget in self.budget_table}))
+
+    def step_budget(self, num_requests: int) -> int:
+        """This step's tree budget for ``num_requests`` running requests (see
+        ``budget_for_batch``)."""
+        return budget_for_batch(self.budget_table, num_requests)
+
+    def expand_width_for(self, budget: int) -> int:
+        """Weaver nodes expanded per call for a tree of ``budget`` nodes: the user's
+        ``expand_width`` (cut to the budget), else ``default_expand_width``."""
         if self.expand_width is not None:
-            return self.expand_width
-        return default_expand_width(self.budget)
+            return min(self.expand_width, budget)
+        return default_expand_width(budget)
+
+    @property
+    def resolved_expand_width(self) -> int:
+        return self.expand_width_for(self.budget)
 
 
 def default_expand_width(budget: int) -> int:
     """Nodes expanded per Weaver call: ceil(budget / 16), in [1, MAX_EXPAND_WIDTH]."""
     return max(1, min(-(-budget // 16), MAX_EXPAND_WIDTH))
+
+
+def budget_levels(max_budget: int) -> tuple[int, ...]:
+    """The tree budgets a per-step rule may pick under ``max_budget``: the powers of two
+    below it, and itself. Few and discrete on purpose: a runner that replays CUDA graphs
+    captures one uniform batch of 1 + budget tokens per request for each level."""
+    levels = {max_budget}
+    level = 1
+    while level < max_budget:
+        levels.add(level)
+        level *= 2
+    return tuple(sorted(levels))
+
+
+def default_budget_table(max_budget: int, draft_depth: int = DFLASH_DRAFT_DEPTH,
+                         step_tokens: int = DEFAULT_STEP_TOKENS) -> tuple[tuple[int, int], ...]:
+    """The budget rule when the user gives none, as ((max running requests, budget), ...).
+
+    The cost model: a target forward over T tokens costs about one weight read while T
+    stays under ``step_tokens`` and grows with T past it, while the accepted length grows
+    slowly (about logarithmically) with the budget. So B requests get the largest level
+    (``budget_levels``) whose B x (1 + budget) tokens fit ``step_tokens``, but never less
+    than the chain's width, the smallest level >= ``draft_depth`` (a 15-deep DFlash block:
+    16 nodes): such a tree scores about as many tokens as the chain the method contains
+    and accepts more (BENCHMARKS.md, tiny family at T = 0: DDTree(16) 2.56 and
+    Weaver(16) 3.44 tokens per step against the chain's 1.93).
+    """
+    levels = budget_levels(max_budget)
+    floor = next((level for level in levels if level >= draft_depth), max_budget)
+    table: list[tuple[int, int]] = []
+    for budget in reversed(levels):
+        if budget <= floor:
+            break
+        largest_batch = step_tokens // (1 + budget)
+        if largest_batch >= 1 and (not table or largest_batch > table[-1][0]):
+            table.append((largest_batch, budget))
+    table.append((MAX_BATCH, floor))
+    return tuple(table)
+
+
+# The last row of a default budget table: every larger batch.
+MAX_BATCH = 1 << 20
+
+
+def budget_for_batch(table: tuple[tuple[int, int], ...], num_requests: int) -> int:
+    """The budget of the first row whose max running requests is >= ``num_requests``;
+    the last row's for larger batches."""
+    for max_batch, budget in table:
+        if num_requests <= max_batch:
+            return budget
+    return table[-1][1]
+
+
+def _budget_table_field(values: dict[str, Any], max_budget: int):
+    """``budget_by_batch``: [[max running requests, budget], ...], max running requests
+    strictly ascending, every budget one of ``budget_levels(max_budget)``."""
+    table = values.get("budget_by_batch")
+    if table is None:
+        return None
+    allowed = list(budget_levels(max_budget))
+    shape = (f"speculative_config['budget_by_batch'] must be a non-empty list of "
+             f"[max running requests, budget] pairs with max running requests ascending "
+             f"and budgets in {allowed} (powers of two up to num_speculative_tokens, "
+             f"and num_speculative_tokens itself), got {table!r}")
+    if not isinstance(table, (list, tuple)) or not table:
+        raise ValueError(shape)
+    rows = []
+    for row in table:
+        if (not isinstance(row, (list, tuple)) or len(row) != 2
+                or any(isinstance(v, bool) or not isinstance(v, int) for v in row)):
+            raise ValueError(shape)
+        max_batch, budget = row
+        if max_batch < 1 or (rows and max_batch <= rows[-1][0]):
+            raise ValueError(shape)
+        if budget not in allowed:
+            raise ValueError(
+                f"speculative_config['budget_by_batch']: budget {budget} for batches up to "
+                f"{max_batch} must be one of {allowed} (powers of two up to "
+                f"num_speculative_tokens = {max_budget}, and {max_budget} itself)"
+            )
+        rows.append((max_batch, budget))
+    return tuple(rows)
 
 
 def default_candidate_pool(vocab_size: int, weaver_pool_size: int | None) -> int:
@@ -78,7 +195,8 @@ def default_candidate_pool(vocab_size: int, weaver_pool_size: int | None) -> int
 
 
 # Keys of the speculative config that belong to dflash_tfm, not to vLLM.
-TFM_KEYS = ("weaver", "tree", "verify", "expand_width", "fanout", "candidate_pool")
+TFM_KEYS = ("weaver", "tree", "verify", "expand_width", "fanout", "candidate_pool",
+            "budget_by_batch")
 
 
 def _int_field(values: dict[str, Any], name: str, default: int | None, low: int, high: int):
@@ -136,6 +254,7 @@ def split_speculative_config(
     candidate_pool = _int_field(config, "candidate_pool", None, 1, 1 << 20)
     fanout = _int_field(config, "fanout", DEFAULT_FANOUT, 1, candidate_pool or 1 << 20)
     expand_width = _int_field(config, "expand_width", None, 1, MAX_EXPAND_WIDTH)
+    budget_by_batch = _budget_table_field(config, budget)
     weaver = config.get("weaver")
     if tree == "weaver":
         if not weaver:
@@ -157,6 +276,7 @@ def split_speculative_config(
         expand_width=expand_width,
         fanout=fanout,
         candidate_pool=candidate_pool,
+        budget_by_batch=budget_by_batch,
     )
     vllm_config = {k: v for k, v in config.items() if k not in TFM_KEYS}
     vllm_config["method"] = "dflash"

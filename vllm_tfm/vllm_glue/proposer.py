@@ -11,6 +11,13 @@ Under tensor parallelism every rank runs the (sharded) drafter, whose logits vLL
 gathers whole on every rank, but only the group's first rank grows the trees, and
 broadcasts them: vLLM schedules that rank's drafts, and every rank must score and
 verify the very tree whose tokens were scheduled.
+
+Each step's tree budget comes from the number of running requests
+(``TfmOptions.step_budget``: the ``budget_by_batch`` table, at most
+num_speculative_tokens); trees are padded to num_speculative_tokens drafts with -1,
+which the runner drops. ``self.options`` is read afresh every step, so a benchmark may
+replace it between steps (tools/bench_speed.py switches tree kind and budget table in
+one engine; tree "weaver" needs an engine started with a Weaver).
 """
 
 from __future__ import annotations
@@ -173,7 +180,8 @@ class TreeProposer(DFlashProposer):
         sampled = sampled_tree_requests(self.options, sampling_metadata, batch)
         # Every tensor-parallel rank draws, so the requests' generators stay in step.
         seeds = request_seeds(sampling_metadata, batch, self.device) if any(sampled) else None
-        trees = self._shared_trees(next_token_ids.long(), sampled, seeds)
+        budget = self.options.step_budget(batch)
+        trees = self._shared_trees(next_token_ids.long(), sampled, seeds, budget)
         self.trees = trees
         self._sampled_rows = torch.tensor(sampled, dtype=torch.bool)
         self._tree_row = {
@@ -184,7 +192,7 @@ class TreeProposer(DFlashProposer):
         return self._draft_token_ids(trees)
 
     def _shared_trees(self, root_tokens: torch.Tensor, sampled: list[bool],
-                      seeds: torch.Tensor | None) -> DraftTree:
+                      seeds: torch.Tensor | None, budget: int) -> DraftTree:
         """The first tensor-parallel rank's trees, on every rank (see the module docstring).
 
         A failure to grow them is broadcast too, so that no rank waits for trees that
@@ -192,10 +200,10 @@ class TreeProposer(DFlashProposer):
         """
         group = get_tp_group()
         if group.world_size == 1:
-            return self._grow_trees(root_tokens, sampled, seeds)
+            return self._grow_trees(root_tokens, sampled, seeds, budget)
         if group.rank_in_group == 0:
             try:
-                trees = self._grow_trees(root_tokens, sampled, seeds)
+                trees = self._grow_trees(root_tokens, sampled, seeds, budget)
             except Exception:
                 group.broadcast_tensor_dict({"failed": True}, src=0)
                 raise
@@ -210,8 +218,9 @@ class TreeProposer(DFlashProposer):
         return DraftTree(**fields)
 
     def _grow_trees(self, root_tokens: torch.Tensor, sampled: list[bool],
-                    seeds: torch.Tensor | None) -> DraftTree:
-        """The tree-build stage (tools/bench_e2e.py --breakdown times this method).
+                    seeds: torch.Tensor | None, budget: int) -> DraftTree:
+        """The tree-build stage (tools/bench_e2e.py --breakdown times this method): trees
+        of ``budget`` nodes after the root.
 
         ``sampled[b]``: row b gets a tree whose children are sampled, with seed
         ``seeds[b]`` (see ``verify.sampled_tree_requests``).
@@ -220,9 +229,9 @@ class TreeProposer(DFlashProposer):
         build = draft_trees if not any(sampled) else partial(draft_trees_per_request,
                                                              sampled=sampled, seeds=seeds)
         return build(
-            self.options.tree, root_tokens, self._pools, self.options.budget,
+            self.options.tree, root_tokens, self._pools, budget,
             weaver=self.weaver, h_v=self._target_hidden, dflash_hidden=self._dflash_hidden,
-            fanout=self.options.fanout, expand_width=self.options.resolved_expand_width,
+            fanout=self.options.fanout, expand_width=self.options.expand_width_for(budget),
             validate=False,
         )
 
