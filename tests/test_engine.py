@@ -437,12 +437,9 @@ def test_incompatible_engine_settings_are_rejected(family, setting, message):
 def test_request_options_a_tree_cannot_honour_fail_that_request_only(family, baseline):
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
-    from vllm.sampling_params import StructuredOutputsParams
 
     llm = make_llm(family, tfm_config(family, budget=7))
     refused = [
-        ("structured_outputs",
-         SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+"))),
         ("thinking_token_budget", SamplingParams(max_tokens=4, thinking_token_budget=8)),
     ]
     for name, params in refused:

@@ -20,6 +20,15 @@ Tie-breaking (exactly what the brute-force tests reproduce):
 * Weaver: a node's children are its top ``fanout`` candidates by (log q
   descending, pool index ascending); the frontier pops by (score descending,
   insertion order ascending), children inserted in pop order then rank.
+
+Chain, Weaver and sampled trees take an optional :class:`ChildConstraint` (a
+grammar, for structured outputs): a candidate it forbids below an expanded node
+is never drafted there, and the budget goes to the allowed ones. It is asked
+once per expansion step (chain: per depth; sampled: per depth) for the nodes
+being expanded, so its cost is bounded by the nodes a round expands (at most
+``budget`` per request). DDTree ranks prefixes level by level over
+path-independent marginals and takes none (its nodes are still masked when
+verified).
 """
 
 from __future__ import annotations
@@ -34,6 +43,35 @@ from vllm_tfm.options import DEFAULT_FANOUT, default_expand_width
 
 # counter_uniform stream of the sampled builder's Gumbel noise.
 BUILD_STREAM = 1
+
+
+class ChildConstraint(Protocol):
+    """Which tokens the children of expanded nodes may take (a grammar's state on each
+    node's path; ``vllm_tfm.vllm_glue.grammar.GrammarConstraint``)."""
+
+    def child_bitmask(
+        self, tokens: torch.Tensor, parents: torch.Tensor, nodes: torch.Tensor
+    ) -> torch.Tensor:
+        """[R, w, ceil(V / 32)] int32 bitmask of each node's allowed children (bit
+        t % 32 of word t // 32 set = token t allowed).
+
+        ``tokens``, ``parents``: [R, M] int64, the tree so far (column 0 the root,
+        parents before children); ``nodes``: [R, w] int64 columns to expand, -1 for
+        padding (any row)."""
+        ...
+
+
+def allowed_in_pool(bitmask: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[R, w, P] bool: candidate ``ids`` [R, w, P] is allowed by ``bitmask`` [R, w, W]."""
+    words = bitmask.gather(-1, (ids >> 5).clamp(max=bitmask.shape[-1] - 1))
+    return ((words >> (ids & 31).to(words.dtype)) & 1).bool() & (ids < 32 * bitmask.shape[-1])
+
+
+def _constrained_rows(constraint: ChildConstraint, tokens, parents, nodes, ids,
+                      rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` [R, w, P] log q with -inf where the constraint forbids the candidate."""
+    allowed = allowed_in_pool(constraint.child_bitmask(tokens, parents, nodes), ids)
+    return rows.masked_fill(~allowed, float("-inf"))
 
 
 class ExpandSession(Protocol):
@@ -62,22 +100,50 @@ def build_chain(
     pool_logits: torch.Tensor,
     budget: int,
     validate: bool = True,
+    constraint: ChildConstraint | None = None,
 ) -> DraftTree:
-    """The DFlash chain: the argmax of each marginal, min(budget, D) nodes."""
+    """The DFlash chain: the argmax of each marginal, min(budget, D) nodes.
+
+    With ``constraint``, the argmax among the candidates it allows below the chain
+    so far; a request's chain ends where it allows none."""
     _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
     R, D, _ = pool_ids.shape
     n = min(budget, D)
     logp = torch.log_softmax(pool_logits[:, :n].float(), dim=-1)
-    best = logp.argmax(-1, keepdim=True)
     node = torch.arange(n + 1, device=pool_ids.device).expand(R, -1)
+    num_nodes = torch.full((R,), n + 1, dtype=torch.int32, device=pool_ids.device)
+    if constraint is not None:
+        logp, num_nodes = _constrained_chain(constraint, root_tokens, pool_ids[:, :n], logp)
+    best = logp.argmax(-1, keepdim=True)
     return DraftTree(
         tokens=torch.cat([root_tokens[:, None], pool_ids[:, :n].gather(-1, best)[..., 0]], 1),
         parents=(node - 1).to(torch.int32),
         depths=node.to(torch.int32),
-        num_nodes=torch.full((R,), n + 1, dtype=torch.int32, device=pool_ids.device),
+        num_nodes=num_nodes,
         draft_logq=torch.cat([logp.new_zeros(R, 1), logp.gather(-1, best)[..., 0]], 1),
         max_depth=D,
     )
+
+
+def _constrained_chain(constraint: ChildConstraint, root_tokens, pool_ids, logp):
+    """The chain's log-probs with -inf where ``constraint`` forbids a candidate below
+    the chain's argmax prefix, and [R] int32 node counts (the chain ends at the first
+    depth with no allowed candidate)."""
+    R, n, _ = pool_ids.shape
+    tokens = torch.cat([root_tokens[:, None], pool_ids.new_zeros(R, n)], 1)
+    parents = (torch.arange(n + 1, device=pool_ids.device) - 1).expand(R, -1)
+    alive = torch.ones(R, dtype=torch.bool, device=pool_ids.device)
+    rows = []
+    for d in range(n):
+        nodes = torch.where(alive, d, -1)[:, None]
+        row = _constrained_rows(constraint, tokens, parents, nodes, pool_ids[:, d, None],
+                                logp[:, d, None])[:, 0]
+        alive = alive & (row > float("-inf")).any(-1)
+        rows.append(row)
+        tokens[:, d + 1] = pool_ids[:, d].gather(-1, row.argmax(-1, keepdim=True))[:, 0]
+    depth_alive = torch.stack([(row > float("-inf")).any(-1) for row in rows], 1)
+    num_nodes = 1 + depth_alive.int().cumprod(1).sum(1)
+    return torch.stack(rows, 1), num_nodes.to(torch.int32)
 
 
 def build_ddtree(
@@ -119,6 +185,7 @@ def build_weaver_tree(
     max_depth: int | None = None,
     validate: bool = True,
     backend: str = "auto",
+    constraint: ChildConstraint | None = None,
 ) -> DraftTree:
     """Weaver's best-first tree (DESIGN.md section 3).
 
@@ -135,6 +202,9 @@ def build_weaver_tree(
     Pops and pushes run through ``triton_ops.weaver_step.pop_frontier`` and
     ``push_children`` (``backend``: one Triton launch each, or the stable
     sorts of the reference; both give the same trees).
+
+    ``constraint``: children it forbids get log q -inf, so they never enter the
+    frontier (it reads the host once per expansion step: no CUDA graph).
     """
     _check_inputs(root_tokens, pool_ids, None, budget, validate)
     R, D, P = pool_ids.shape
@@ -174,6 +244,10 @@ def build_weaver_tree(
             raise ValueError(
                 f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
             )
+        if constraint is not None:
+            ids = pool_ids[torch.arange(R, device=device)[:, None], batch.depth.clamp(max=D - 1)]
+            rows = _constrained_rows(constraint, tree.tokens, tree.parents, batch.node, ids,
+                                     rows.float())
         push_children(frontier, fill, rows.float(), batch, pool_ids, children, backend=backend)
         fill += w * children
 
@@ -205,6 +279,7 @@ def build_sampled_tree(
     seeds: torch.Tensor,
     session: ExpandSession | None = None,
     validate: bool = True,
+    constraint: ChildConstraint | None = None,
 ) -> DraftTree:
     """A tree whose children are SAMPLED from the drafter: the exact input of traversal.
 
@@ -224,6 +299,10 @@ def build_sampled_tree(
     A slot beyond the support of q gets a zero-mass token (draft_logq -inf)
     that traversal treats as absent. ``seeds``: [R] int64 per-request seeds
     (see :func:`vllm_tfm.drafting.tree.derive_seeds`).
+
+    ``constraint``: q at each expanded node is restricted to the candidates it
+    allows there and renormalized, so the children are drawn from (and
+    ``proposal_logq`` holds) that restricted q; the shape stays the marginals'.
     """
     _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
     R, D, P = pool_ids.shape
@@ -267,6 +346,9 @@ def build_sampled_tree(
                     f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
                 )
         rows = rows.float().masked_fill(~real[..., None], float("-inf"))
+        if constraint is not None:
+            rows = _renormalized(_constrained_rows(
+                constraint, tokens, parent, node, pool_ids[:, d, None].expand(R, w, P), rows))
         proposal[batch, torch.where(real, order, N)] = rows
         counters = order[..., None] * P + torch.arange(P, device=device)
         keys = rows.double() + counter_gumbel(seeds, BUILD_STREAM, counters)
@@ -290,6 +372,12 @@ def build_sampled_tree(
         pool_ids=pool_ids,
         proposal_logq=proposal[:, :N].contiguous(),
     )
+
+
+def _renormalized(rows: torch.Tensor) -> torch.Tensor:
+    """Log-probs over each row's finite entries (rows with none stay -inf)."""
+    total = torch.logsumexp(rows, dim=-1, keepdim=True)
+    return torch.where(total > float("-inf"), rows - total, rows)
 
 
 class _Prefixes(NamedTuple):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from vllm_tfm.drafting.builders import (
+    ChildConstraint,
     build_chain,
     build_ddtree,
     build_sampled_tree,
@@ -22,6 +23,10 @@ from vllm_tfm.drafting.builders import (
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import DEFAULT_FANOUT, SAMPLED_TREE_KINDS, TREE_KINDS
+
+# Tree kinds whose builders take a child constraint (DDTree ranks path-independent
+# marginals level by level; its nodes are masked when verified only).
+CONSTRAINED_TREE_KINDS = ("weaver", "chain")
 
 if TYPE_CHECKING:
     from vllm_tfm.drafting.weaver import Weaver
@@ -70,6 +75,7 @@ def draft_trees(
     validate: bool = True,
     backend: str = "auto",
     sample_seeds: torch.Tensor | None = None,
+    constraint: ChildConstraint | None = None,
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -94,16 +100,24 @@ def draft_trees(
             input traversal verification gains on): tree "weaver" samples from
             Weaver's q, "ddtree" from the marginals (``fanout`` and
             ``expand_width`` do not apply); "chain" has no sampled form.
+        constraint: the tokens each expanded node's children may take (a grammar;
+            see ``builders.ChildConstraint``), for the trees in
+            ``CONSTRAINED_TREE_KINDS``. It reads the host, so a constrained round
+            runs eagerly (``DraftRound`` takes none).
     """
     ids, scores = pools
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
         raise ValueError(f"sampled trees exist for tree in {list(SAMPLED_TREE_KINDS)}, "
                          f"got {tree!r}")
+    if constraint is not None and tree not in CONSTRAINED_TREE_KINDS:
+        raise ValueError(f"constraint applies to tree in {list(CONSTRAINED_TREE_KINDS)}, "
+                         f"got {tree!r}")
+    if tree == "chain":
+        return build_chain(root_tokens, ids, scores, budget, validate=validate,
+                           constraint=constraint)
     if tree == "ddtree" and sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds,
                                   validate=validate)
-    if tree == "chain":
-        return build_chain(root_tokens, ids, scores, budget, validate=validate)
     if tree == "ddtree":
         return build_ddtree(root_tokens, ids, scores, budget, validate=validate)
     if tree != "weaver":
@@ -120,11 +134,28 @@ def draft_trees(
     )
     if sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds, session,
-                                  validate=validate)
+                                  validate=validate, constraint=constraint)
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
-        validate=validate, backend=backend,
+        validate=validate, backend=backend, constraint=constraint,
     )
+
+
+class _RowsOf:
+    """A batch's constraint seen by a builder that grows only rows ``rows`` of it."""
+
+    def __init__(self, constraint: ChildConstraint, rows: torch.Tensor, total: int):
+        self.constraint, self.rows, self.total = constraint, rows, total
+
+    def child_bitmask(self, tokens, parents, nodes):
+        def whole(part: torch.Tensor, fill: int) -> torch.Tensor:
+            full = part.new_full((self.total, part.shape[1]), fill)
+            full[self.rows.to(part.device)] = part
+            return full
+
+        masks = self.constraint.child_bitmask(whole(tokens, 0), whole(parents, -1),
+                                              whole(nodes, -1))
+        return masks[self.rows.to(masks.device)]
 
 
 
@@ -139,6 +170,7 @@ def draft_trees_per_request(
     weaver: Weaver | None = None,
     h_v: torch.Tensor | None = None,
     dflash_hidden: torch.Tensor | None = None,
+    constraint: ChildConstraint | None = None,
     **options,
 ) -> DraftTree:
     """Trees for a batch that mixes requests: row r is a sampled tree (seed
@@ -156,7 +188,7 @@ def draft_trees_per_request(
                          f"got {len(sampled)}")
     if not any(sampled):
         return draft_trees(tree, root_tokens, pools, budget, weaver=weaver, h_v=h_v,
-                           dflash_hidden=dflash_hidden, **options)
+                           dflash_hidden=dflash_hidden, constraint=constraint, **options)
     if seeds is None:
         raise ValueError("sampled trees need seeds")
     device = root_tokens.device
@@ -170,7 +202,10 @@ def draft_trees_per_request(
         part = draft_trees(
             tree, root_tokens[rows], CandidatePools(pick(pools.ids), pick(pools.scores)),
             budget, weaver=weaver, h_v=pick(h_v), dflash_hidden=pick(dflash_hidden),
-            sample_seeds=seeds[rows] if want else None, **options,
+            sample_seeds=seeds[rows] if want else None,
+            constraint=None if constraint is None else _RowsOf(constraint, rows,
+                                                               root_tokens.shape[0]),
+            **options,
         )
         parts.append((rows, part))
     if len(parts) == 1:

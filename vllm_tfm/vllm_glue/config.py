@@ -23,8 +23,10 @@ from vllm_tfm.options import (
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 # The one GPU attention backend whose forward the tree path wraps.
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
-# Request options whose draft-time handling in vLLM assumes one chain of drafts.
-UNSUPPORTED_REQUEST_OPTIONS = ("structured_outputs", "thinking_token_budget")
+# Request options whose handling in vLLM assumes one chain of drafts (thinking budgets:
+# the sampler's ThinkingBudgetStateHolder counts and forces end tokens along a chain).
+# Structured outputs are held per tree node (grammar.py).
+UNSUPPORTED_REQUEST_OPTIONS = ("thinking_token_budget",)
 # Parallelism the tree path does not handle yet, and what it would need.
 _WHOLE_KV_ROWS = "tree attention and the KV commit read and move whole KV rows, not split ones"
 UNSUPPORTED_PARALLELISM = {
@@ -112,7 +114,7 @@ def wrap_validate_spec_decode(original):
             if getattr(self, name, None) is not None:
                 raise VLLMValidationError(
                     f"{name} is not supported with speculative method '{METHOD}' yet "
-                    "(vLLM checks drafts against it as one chain, not a tree)",
+                    "(vLLM forces its end tokens along one chain of drafts, not a tree)",
                     parameter=name,
                 )
 

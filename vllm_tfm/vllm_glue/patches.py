@@ -72,8 +72,27 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.sampling_params", "SamplingParams._validate_spec_decode",
         f"{_GLUE}.config:wrap_validate_spec_decode",
-        "refuse, per request, structured outputs and thinking budgets under dflash_tfm: "
-        "vLLM checks drafts against them as one chain, not a tree",
+        "refuse, per request, thinking budgets under dflash_tfm: vLLM's thinking-budget "
+        "state forces end tokens along one chain of drafts, not a tree",
+    ),
+    Patch(
+        "vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids",
+        f"{_GLUE}.grammar:wrap_update_draft_token_ids",
+        "structured outputs: keep each structured request's drafted tree (the parents the "
+        "runner sends with the drafts) for its bitmask; while its grammar does not hold from "
+        "the next token on (reasoning) it drafts nothing",
+    ),
+    Patch(
+        "vllm.v1.structured_output", "StructuredOutputManager.validate_tokens",
+        f"{_GLUE}.grammar:wrap_validate_tokens",
+        "structured outputs: a tree's drafts are not one chain, so vLLM's chain truncation "
+        "does not apply; each node is masked by its own path when verified",
+    ),
+    Patch(
+        "vllm.v1.structured_output", "StructuredOutputManager.grammar_bitmask",
+        f"{_GLUE}.grammar:wrap_grammar_bitmask",
+        "structured outputs: a tree request's bitmask row j is the grammar state after node "
+        "j's root-to-node path (vLLM advances the grammar along the drafts as one chain)",
     ),
     Patch(
         _RUNNER, "GPUModelRunner.__init__", f"{_GLUE}.runner:wrap_init",

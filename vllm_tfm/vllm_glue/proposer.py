@@ -31,6 +31,7 @@ from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.drafting.draft_round import (
+    CONSTRAINED_TREE_KINDS,
     CandidatePools,
     candidate_pools,
     draft_depth,
@@ -92,6 +93,8 @@ class TreeProposer(DFlashProposer):
         self._pools: CandidatePools | None = None
         self._dflash_hidden: torch.Tensor | None = None
         self._drafted = False
+        self._grammars = None  # grammar.DraftGrammars, once a structured request drafts
+        self._step_tokens = None
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
@@ -232,8 +235,26 @@ class TreeProposer(DFlashProposer):
             self.options.tree, root_tokens, self._pools, budget,
             weaver=self.weaver, h_v=self._target_hidden, dflash_hidden=self._dflash_hidden,
             fanout=self.options.fanout, expand_width=self.options.expand_width_for(budget),
-            validate=False,
+            validate=False, constraint=self._grammar_constraint(root_tokens.shape[0]),
         )
+
+    def set_step_tokens(self, sampled_token_ids) -> None:
+        """This step's output tokens per request ([R, width], -1 padded): structured
+        requests' draft-time grammars advance by them (``grammar.DraftGrammars``)."""
+        self._step_tokens = sampled_token_ids
+
+    def _grammar_constraint(self, batch: int):
+        """The grammars of the batch's structured requests, for the builders to draft
+        only what they allow; None when no request is structured (or the tree kind
+        takes no constraint: its nodes are masked when verified only)."""
+        if self.options.tree not in CONSTRAINED_TREE_KINDS or self._step_tokens is None:
+            return None
+        if self._grammars is None:
+            from vllm_tfm.vllm_glue.grammar import DraftGrammars
+
+            self._grammars = DraftGrammars(self.vllm_config)
+        return self._grammars.constraint(list(self.runner.input_batch.req_ids[:batch]),
+                                         self.runner.requests, self._step_tokens)
 
     def _draft_token_ids(self, trees: DraftTree) -> torch.Tensor:
         """[B, budget] node tokens after the root, -1 past each tree's end."""

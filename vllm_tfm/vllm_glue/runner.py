@@ -43,6 +43,7 @@ from vllm.logger import init_logger
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue import tree_step as tree_step_module
 from vllm_tfm.vllm_glue.config import tfm_options
+from vllm_tfm.vllm_glue.grammar import attach_tree_parents
 from vllm_tfm.vllm_glue.tree_step import TreeStep
 
 logger = init_logger(__name__)
@@ -278,6 +279,7 @@ def wrap_propose_draft_token_ids(original):
         try:
             # Weaver reads the target's final-norm state of each bonus row.
             self.drafter.set_target_hidden_states(hidden_states, self._tfm_step)
+            self.drafter.set_step_tokens(sampled_token_ids)
             return original(self, scheduler_output, sampled_token_ids, sampling_metadata,
                             hidden_states, *args, **kwargs)
         except Exception:
@@ -310,7 +312,10 @@ def wrap_take_draft_token_ids(original):
         # and the proposer holds the trees of this step's batch only: schedule none.
         drafted = set(drafts.req_ids)
         idle = [req_id for req_id in self.requests if req_id not in drafted]
-        return type(drafts)(list(drafts.req_ids) + idle, rows + [[] for _ in idle])
+        result = type(drafts)(list(drafts.req_ids) + idle, rows + [[] for _ in idle])
+        # Structured requests: the scheduler masks each node by its own path.
+        attach_tree_parents(result, self.drafter, self.requests)
+        return result
 
     return take_draft_token_ids
 

@@ -19,6 +19,11 @@ deterministic tree + target-only, which is optimal among verifiers of a
 deterministic tree (always for chain, which has no sampled form).
 ``sample_roots`` is the fallback that trusts no tree: vLLM's own sampler at
 every root, i.e. one step of plain decoding.
+
+Structured outputs: before this step vLLM's ``apply_grammar_bitmask`` has masked
+the logits row of every node of a structured request with the grammar state of
+that node's own path (``grammar.py`` fills the rows), so every verifier here
+accepts only grammar-allowed tokens and samples the constrained distribution.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor) -
     node = torch.arange(int(count.max()), device=logits.device)
     rows = (ends - count).view(-1, 1) + node
     valid = node < count.view(-1, 1)
-    return logits[torch.where(valid, rows, 0)] * valid[..., None]
+    # where, not a product: a grammar-masked row holds -inf, and -inf * 0 is NaN.
+    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0.0)
 
 
 def _node_histories(output_token_ids: list[list[int]], tree: DraftTree) -> list[list[int]]:
