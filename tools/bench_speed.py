@@ -1,0 +1,65 @@
+"""The speed proof: engine-step times at Qwen3.6-27B shapes inside vLLM, split into
+drafting / target forward / verify + commit / rest, for plain decoding, vLLM's `dflash`
+chain (15) and dflash_tfm (Weaver / DDTree / chain at each budget, and its batch-size-aware
+rule); projected tokens/s from them and a stated tau; requests that fit a fixed KV / state
+budget. The logic, and what each number means: vllm_tfm/benchmarks/speed.py.
+
+On the H200 (device call carrying [".gpu-vllm"], the tools/gpu_vllm payload):
+
+    bash .gpu-vllm/setup.sh && PYTHONPATH=/tmp/vsrc:/tmp/site:$PWD \
+        python3 tools/bench_speed.py --out $OUT --work /tmp/speed [--runner v1|v2]
+
+CPU smoke mode (the tiny family, eager, tiny grid; numbers mean nothing):
+
+    python tools/bench_speed.py --smoke --out /tmp/bench_speed
+
+--contexts / --batches / --budgets / --trees / --methods / --steps narrow the grid;
+--deadline-s stops starting measurements after that many seconds (what finished is kept:
+OUT/bench_speed.md and OUT/bench_speed.json are rewritten after every engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from vllm_tfm.benchmarks.speed import PLAIN, SHAPES, TFM, VLLM_DFLASH, run
+from vllm_tfm.options import TREE_KINDS
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_speed_models"),
+                        help="where the Qwen3.6-27B-shaped configs and Weaver are written")
+    parser.add_argument("--smoke", action="store_true", help="tiny family on CPU, eager")
+    parser.add_argument("--runner", choices=("v1", "v2"), default="v1",
+                        help="vLLM model runner (VLLM_USE_V2_MODEL_RUNNER)")
+    parser.add_argument("--methods", nargs="+", default=[PLAIN, VLLM_DFLASH, TFM],
+                        choices=[PLAIN, VLLM_DFLASH, TFM])
+    parser.add_argument("--trees", nargs="+", default=list(TREE_KINDS), choices=TREE_KINDS)
+    parser.add_argument("--contexts", nargs="+", type=int)
+    parser.add_argument("--batches", nargs="+", type=int)
+    parser.add_argument("--budgets", nargs="+", type=int)
+    parser.add_argument("--steps", type=int)
+    parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
+    parser.add_argument("--deadline-s", type=float, default=1e9)
+    args = parser.parse_args(argv)
+    shapes = SHAPES["tiny" if args.smoke else "qwen3.6-27b"]
+    narrowed = {name: tuple(getattr(args, name)) for name in ("contexts", "batches", "budgets")
+                if getattr(args, name)}
+    if args.steps:
+        narrowed["steps"] = args.steps
+    if args.memory_gib:
+        narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
+    shapes = dataclasses.replace(shapes, **narrowed)
+    text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
+               args.work, args.deadline_s)
+    print(text)
+    return 1 if "FAILED:" in text else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,546 @@
+"""The speed proof (tools/bench_speed.py): engine-step times inside vLLM, split by phase,
+for plain decoding, vLLM's own ``dflash`` chain and ``dflash_tfm``; tokens/s projected
+from them and a stated mean accepted length; concurrent requests that fit a fixed memory
+budget, read from each engine's own KV-cache configuration.
+
+Shapes "qwen3.6-27b" (CUDA, the GPU harness tools/gpu_vllm): the target is Qwen3.6-27B's
+text model as ``qwen3_5_text`` (``bench_training.QWEN36_27B_TARGET``), the DFlash drafter
+of the published shape (``QWEN36_27B_DFLASH``), both ``load_format="dummy"`` (random bf16:
+a step's time does not depend on the weights' values), and a random Weaver of the
+published dimensions (``QWEN36_WEAVER_ARGS``). Shapes "tiny" (the smoke mode, CPU): the
+tiny family, eager.
+
+One engine per method, built for the largest batch and the longest context. Prompts are
+random token ids (no tokenizer). Per context: the largest batch is prefilled once, then
+measured; requests are aborted down to each smaller batch. The ``dflash_tfm`` engine
+starts with a Weaver and the largest budget; between measurements the benchmark replaces
+its proposer's options (tree kind and a one-row ``budget_by_batch`` table: see
+vllm_glue/proposer.py) instead of starting an engine per configuration. After every
+switch one step is discarded (it verifies trees drafted under the previous setting).
+
+Step period = wall time of one ``LLMEngine.step`` (the engine core's whole step:
+scheduling, the runner, output processing); phases from ``step_phases`` (CUDA events);
+rest = period - the phases. Projected tokens/s = tau x batch / period, for tau stated,
+not measured (random weights accept nothing meaningful): the paper's regime and the
+trained tiny family's ``eval_acceptance`` numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+from vllm_tfm.benchmarks.step_phases import PHASES, install
+from vllm_tfm.options import MAX_BATCH, MAX_BUDGET, DFLASH_DRAFT_DEPTH
+
+# The engine core in this process (its scheduler's KV-cache config and the runner's phase
+# timers are read directly), offline, vLLM's own sampler kernels.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+              "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+PLAIN, VLLM_DFLASH, TFM = "plain", "vllm dflash (15)", "dflash_tfm"
+# The paper's regime (its text gives ratios to the tuned chain, not absolute tau):
+# TfM(64) accepts 1.77x the chain's length, DDTree(64) 1.34x.
+PAPER_CHAIN_TAUS = (4.0, 5.0)
+PAPER_RATIO_TO_CHAIN = {("weaver", 64): 1.77, ("ddtree", 64): 1.34}
+# The trained tiny family's measured tau (BENCHMARKS.md, "Mean accepted length").
+OURS_ACCEPTANCE = Path(__file__).resolve().parents[2] / "models/tiny_trained/eval_acceptance_h200.json"
+EVAL_METHODS = {"weaver": "tfm", "ddtree": "ddtree", "chain": "chain"}
+PROJECTION_NOTE = ("Projected tokens/s are a projection from measured step times and a "
+                   "stated mean accepted length tau (tokens per step per request), not "
+                   "measured throughput: random weights accept nothing meaningful.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+    name: str
+    contexts: tuple[int, ...]
+    batches: tuple[int, ...]
+    budgets: tuple[int, ...]
+    steps: int  # measured steps per cell
+    memory_bytes: int  # the fixed KV / state budget every engine gets
+
+
+SHAPES = {
+    "qwen3.6-27b": Shapes("qwen3.6-27b", (1024, 8192), (1, 4, 8, 16, 32),
+                          (16, 32, 64, MAX_BUDGET), 6, 48 << 30),
+    "tiny": Shapes("tiny", (32, 64), (1, 2), (4, 8), 2, 64 << 20),
+}
+
+
+def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...]) -> list[tuple[str, int | None]]:
+    """(tree kind, budget) settings of the dflash_tfm engine, in measuring order; budget
+    None is the plugin's own batch-size-aware rule. A chain is the DFlash block whatever
+    the budget: it runs once, at the smallest budget of at least the block's depth."""
+    settings: list[tuple[str, int | None]] = []
+    for tree in trees:
+        if tree == "chain":
+            settings.append(("chain", next((b for b in budgets if b >= DFLASH_DRAFT_DEPTH),
+                                           max(budgets))))
+            continue
+        settings += [(tree, budget) for budget in budgets]
+        if tree == "weaver":
+            settings.append(("weaver", None))
+    return settings
+
+
+# -- models ----------------------------------------------------------------------------
+
+def write_qwen36_models(root: Path) -> dict[str, str]:
+    """Config-only target and drafter directories (weights come from load_format dummy)
+    and a random Weaver .pth of the published dimensions."""
+    from vllm_tfm.drafting.weaver import WeaverConfig
+    from vllm_tfm.drafting.weaver_checkpoint import random_weaver, save_weaver_public
+    from vllm_tfm.training import train_weaver
+    from vllm_tfm.training.bench_training import (
+        QWEN36_27B_DFLASH,
+        QWEN36_27B_TARGET,
+        QWEN36_WEAVER_ARGS,
+    )
+
+    paths = {"target": root / "target", "dflash": root / "dflash"}
+    for name, config in (("target", QWEN36_27B_TARGET), ("dflash", QWEN36_27B_DFLASH)):
+        paths[name].mkdir(parents=True, exist_ok=True)
+        (paths[name] / "config.json").write_text(json.dumps(config, indent=1))
+    weaver_path = root / "weaver.pth"
+    if not weaver_path.exists():
+        shape = train_weaver.parse_args(["--out", "-", "--features", "-", *QWEN36_WEAVER_ARGS])
+        hidden = QWEN36_27B_TARGET["hidden_size"]
+        config = WeaverConfig(d_model=hidden, d_embed=hidden, d_rank=shape.d_rank,
+                              num_layers=shape.num_layers, num_heads=shape.num_heads,
+                              mlp_dim=shape.mlp_dim, layout=shape.layout,
+                              K=QWEN36_27B_DFLASH["block_size"] - 1,
+                              candidate_pool_size=shape.pool_size)
+        save_weaver_public(random_weaver(config, seed=0), weaver_path,
+                           metadata={"target": "Qwen3.6-27B shapes, random"})
+    return {"target": str(paths["target"]), "dflash": str(paths["dflash"]),
+            "weaver": str(weaver_path), "vocab_size": QWEN36_27B_TARGET["vocab_size"]}
+
+
+def tiny_models() -> dict[str, str]:
+    from vllm_tfm.tiny.family import VOCAB_SIZE, build_family
+
+    family = build_family()
+    return {"target": str(family.target), "dflash": str(family.dflash),
+            "weaver": str(family.weaver), "vocab_size": VOCAB_SIZE}
+
+
+# -- engines ---------------------------------------------------------------------------
+
+def speculative_config(method: str, models: dict, max_budget: int) -> dict | None:
+    if method == PLAIN:
+        return None
+    config = {"model": models["dflash"], "attention_backend": "TRITON_ATTN"}
+    if method == VLLM_DFLASH:
+        return {**config, "method": "dflash", "num_speculative_tokens": DFLASH_DRAFT_DEPTH}
+    return {**config, "method": "dflash_tfm", "tree": "weaver", "weaver": models["weaver"],
+            "num_speculative_tokens": max_budget}
+
+
+def engine_kwargs(shapes: Shapes, runner: str) -> dict:
+    """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
+    graphs (tools/gpu_e2e.py), on CPU the tests' CPU settings; one engine for the largest
+    batch and the longest context."""
+    max_model_len = max(shapes.contexts) + 1024
+    common = dict(max_model_len=max_model_len, max_num_seqs=max(shapes.batches),
+                  skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
+                  disable_log_stats=False)
+    if shapes.name == "tiny":
+        from vllm_tfm.tiny.engine_runs import CPU_ENGINE_KWARGS
+
+        return {**CPU_ENGINE_KWARGS, **common}
+    from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
+
+    graphs = CUDA_GRAPH_SETTINGS["full-decode"]
+    compilation = {**graphs["compilation_config"],
+                   "cudagraph_capture_sizes": sorted({b * m for b in shapes.batches
+                                                      for m in (1, 1 + DFLASH_DRAFT_DEPTH)})}
+    return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
+            "load_format": "dummy", "max_num_batched_tokens": 8192,
+            "gpu_memory_utilization": 0.95}
+
+
+def _engine_core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def _install_timer(worker, runner_kind: str):
+    install(getattr(worker, "worker", worker).model_runner, runner_kind)
+
+
+def _runner_class(worker) -> str:
+    runner = getattr(worker, "worker", worker).model_runner
+    return f"{type(runner).__module__}.{type(runner).__name__}"
+
+
+def _set_recording(worker, on: bool):
+    getattr(worker, "worker", worker).model_runner.bench_phase_timer.recording = on
+
+
+def _collect(worker):
+    return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
+
+
+def _set_tree(worker, tree: str, budget: int | None):
+    """The benchmark's switch (see vllm_glue/proposer.py): this tree kind, and either one
+    budget for every batch or (None) the engine's own budget rule."""
+    drafter = getattr(worker, "worker", worker).model_runner.drafter
+    if not hasattr(drafter, "bench_options"):
+        drafter.bench_options = drafter.options
+    table = None if budget is None else ((MAX_BATCH, budget),)
+    drafter.options = dataclasses.replace(drafter.bench_options, tree=tree,
+                                          budget_by_batch=table)
+
+
+def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
+    """Concurrent requests of each context length that fit the engine's KV / state
+    allocation (vLLM's own arithmetic, ``get_max_concurrency_for_kv_cache_config``, at that
+    length), and what one request holds per KV-cache group."""
+    from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+    config = _engine_core(llm).scheduler.kv_cache_config
+    vllm_config = llm.llm_engine.vllm_config
+    result = {"num_blocks": config.num_blocks,
+              "bytes": sum(t.size for t in config.kv_cache_tensors), "groups": []}
+    for group in config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        result["groups"].append({
+            "kind": type(spec).__name__, "layers": len(group.layer_names),
+            "page_bytes": spec.page_size_bytes,
+            "speculative_blocks": getattr(spec, "num_speculative_blocks", None)})
+    result["concurrency"] = {}
+    for context in contexts:
+        at_length = copy.copy(vllm_config)
+        model_config = copy.copy(vllm_config.model_config)
+        object.__setattr__(model_config, "max_model_len", context)
+        object.__setattr__(at_length, "model_config", model_config)
+        result["concurrency"][str(context)] = get_max_concurrency_for_kv_cache_config(
+            at_length, config)
+    return result
+
+
+# -- measuring -------------------------------------------------------------------------
+
+class Session:
+    """One engine's requests, stepped by hand (``LLMEngine.step``)."""
+
+    def __init__(self, llm, vocab_size: int, seed: int = 0):
+        self.llm, self.engine = llm, llm.llm_engine
+        self.vocab_size = vocab_size
+        self.random = random.Random(seed)
+        self.running: list[str] = []
+        self.generated: dict[str, int] = {}
+        self.counter = 0
+
+    def add(self, count: int, context: int, max_tokens: int) -> None:
+        from vllm import SamplingParams
+
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                detokenize=False)
+        for _ in range(count):
+            req_id = f"r{self.counter}"
+            self.counter += 1
+            ids = [self.random.randrange(4, self.vocab_size) for _ in range(context)]
+            self.engine.add_request(req_id, {"prompt_token_ids": ids}, params)
+            self.running.append(req_id)
+            self.generated[req_id] = 0
+
+    def step(self) -> float:
+        """One engine step; its wall seconds."""
+        started = time.perf_counter()
+        outputs = self.engine.step()
+        seconds = time.perf_counter() - started
+        for output in outputs:
+            self.generated[output.request_id] = len(output.outputs[0].token_ids)
+            if output.finished and output.request_id in self.running:
+                self.running.remove(output.request_id)
+        return seconds
+
+    def prefill(self) -> None:
+        while any(self.generated[r] == 0 for r in self.running):
+            self.step()
+
+    def keep(self, count: int) -> None:
+        drop, self.running = self.running[count:], self.running[:count]
+        if drop:
+            self.engine.abort_request(drop)
+
+    def close(self) -> None:
+        self.keep(0)
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def measure_cell(session: Session, steps: int) -> dict:
+    """``steps`` engine steps after one discarded step: medians of the period and phases."""
+    llm = session.llm
+    session.step()
+    before = sum(session.generated[r] for r in session.running)
+    batch = len(session.running)
+    llm.collective_rpc(_set_recording, args=(True,))
+    periods = [session.step() * 1e3 for _ in range(steps)]
+    llm.collective_rpc(_set_recording, args=(False,))
+    rows = llm.collective_rpc(_collect)[0]
+    tokens = sum(session.generated[r] for r in session.running) - before
+    decode = [row for row in rows if row["decode"]]
+    cell = {"batch": batch, "steps": len(periods), "decode_steps": len(decode),
+            "period_ms": statistics.median(periods),
+            "step_ms": statistics.median(r["step_ms"] for r in decode) if decode else None,
+            "observed_tokens_per_step": tokens / max(1, len(periods)) / max(1, batch)}
+    for name in PHASES:
+        cell[name] = statistics.median(r[name] for r in decode) if decode else None
+    if decode:
+        cell["rest"] = cell["period_ms"] - sum(cell[name] for name in PHASES)
+    return cell
+
+
+def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
+               deadline: float, log) -> dict:
+    """One engine for ``method``: every context, batch (largest first) and, for
+    dflash_tfm, every (tree, budget) setting; the engine's memory capacity."""
+    import torch
+    from vllm import LLM
+
+    started = time.perf_counter()
+    max_budget = max(shapes.budgets)
+    llm = LLM(model=models["target"],
+              speculative_config=speculative_config(method, models, max_budget),
+              **engine_kwargs(shapes, runner))
+    result = {"method": method, "start_s": time.perf_counter() - started, "cells": [],
+              "memory": memory_capacity(llm, shapes.contexts)}
+    log(f"{method}: engine up in {result['start_s']:.0f} s; memory {result['memory']}")
+    result["runner_class"] = llm.collective_rpc(_runner_class)[0]
+    llm.collective_rpc(_install_timer, args=(runner,))
+    session = Session(llm, models["vocab_size"])
+    try:
+        for context in sorted(shapes.contexts):
+            if time.perf_counter() > deadline:
+                result["skipped"] = f"context {context} and after: deadline"
+                break
+            room = llm.llm_engine.vllm_config.model_config.max_model_len - context - 64
+            session.add(max(shapes.batches), context, max_tokens=room - max_budget)
+            session.prefill()
+            for batch in sorted(shapes.batches, reverse=True):
+                session.keep(batch)
+                for tree, budget in settings if method == TFM else [(None, None)]:
+                    if time.perf_counter() > deadline:
+                        result.setdefault("skipped", f"from context {context} batch {batch}")
+                        break
+                    if tree is not None:
+                        llm.collective_rpc(_set_tree, args=(tree, budget))
+                    cell = {"context": context, "tree": tree, "budget": budget,
+                            **measure_cell(session, shapes.steps)}
+                    result["cells"].append(cell)
+                    log(f"  {method} ctx {context} B {cell['batch']} {tree or ''} "
+                        f"{budget or ''}: period {cell['period_ms']:.2f} ms")
+            session.close()
+    finally:
+        del llm
+        import gc
+
+        gc.collect()
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return result
+
+
+# -- projection and report -------------------------------------------------------------
+
+def ours_taus(path: Path = OURS_ACCEPTANCE) -> dict[tuple[str, int], float]:
+    """(tree kind, budget) -> tau of the trained tiny family at T = 0 (greedy); the
+    chain's under budget 15."""
+    data = json.loads(path.read_text())
+    taus = {}
+    for row in data["results"]:
+        if row["temperature"] == 0.0:
+            kind = {v: k for k, v in EVAL_METHODS.items()}[row["method"]]
+            taus[(kind, row["budget"])] = row["tau"]
+    return taus
+
+
+def stated_tau(regime: str, tree: str | None, budget: int, ours: dict) -> float | None:
+    """tau of a configuration: regime "paper-4" / "paper-5" (chain tau 4 / 5 and the
+    paper's ratios, budget 64 only) or "ours" (the trained tiny family; budget 127 takes
+    the measured 128). ``tree`` None is a chain (vLLM dflash)."""
+    tree = tree or "chain"
+    if regime.startswith("paper"):
+        chain = float(regime.split("-")[1])
+        if tree == "chain":
+            return chain
+        ratio = PAPER_RATIO_TO_CHAIN.get((tree, budget))
+        return None if ratio is None else chain * ratio
+    if tree == "chain":
+        return ours.get(("chain", DFLASH_DRAFT_DEPTH))
+    return ours.get((tree, 128 if budget == MAX_BUDGET else budget))
+
+
+REGIMES = ("paper-4", "paper-5", "ours")
+
+
+def rule_budget(max_budget: int, batch: int) -> int:
+    from vllm_tfm.options import TfmOptions
+
+    return TfmOptions(budget=max_budget).step_budget(batch)
+
+
+def project(results: list[dict], ours: dict, max_budget: int) -> list[dict]:
+    """One row per measured cell with projected tokens/s per regime and the ratios to
+    plain decoding and to vLLM's chain at the same context and batch."""
+    cells = [(r["method"], cell) for r in results for cell in r["cells"]]
+    period = {(m, c["context"], c["batch"], c["tree"], c["budget"]): c["period_ms"]
+              for m, c in cells}
+    rows = []
+    for method, cell in cells:
+        row = {"method": method, **cell}
+        budget = cell["budget"]
+        if method == TFM and budget is None:
+            budget = rule_budget(max_budget, cell["batch"])
+            row["rule_budget"] = budget
+        plain = period.get((PLAIN, cell["context"], cell["batch"], None, None))
+        chain = period.get((VLLM_DFLASH, cell["context"], cell["batch"], None, None))
+        row["x_plain_step"] = cell["period_ms"] / plain if plain else None
+        for regime in REGIMES:
+            tau = 1.0 if method == PLAIN else stated_tau(regime, cell["tree"], budget, ours)
+            tps = None if tau is None else tau * cell["batch"] / cell["period_ms"] * 1e3
+            row[f"tok_s {regime}"] = tps
+            plain_tps = cell["batch"] / plain * 1e3 if plain else None
+            chain_tau = stated_tau(regime, None, DFLASH_DRAFT_DEPTH, ours)
+            chain_tps = chain_tau * cell["batch"] / chain * 1e3 if chain and chain_tau else None
+            row[f"x_plain {regime}"] = tps / plain_tps if tps and plain_tps else None
+            row[f"x_chain {regime}"] = tps / chain_tps if tps and chain_tps else None
+        rows.append(row)
+    return rows
+
+
+def _f(value, pattern=".2f") -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def label(row: dict) -> str:
+    if row["method"] != TFM:
+        return row["method"]
+    if row["budget"] is None:
+        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']})"
+    return f"dflash_tfm {row['tree']} {row['budget']}"
+
+
+def step_table(rows: list[dict]) -> str:
+    lines = ["| context | batch | configuration | period ms | x plain step | drafting | "
+             "target fwd | verify+commit | rest | tok/s paper tau 4 | x plain | x chain "
+             "| tok/s paper tau 5 | x chain | tok/s ours | x plain | x chain |",
+             "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    for row in rows:
+        lines.append(
+            f"| {row['context']} | {row['batch']} | {label(row)} | {_f(row['period_ms'])} "
+            f"| {_f(row['x_plain_step'])} | {_f(row['drafting'])} | {_f(row['target forward'])} "
+            f"| {_f(row['verify + commit'])} | {_f(row.get('rest'))} "
+            f"| {_f(row['tok_s paper-4'], '.1f')} | {_f(row['x_plain paper-4'])} "
+            f"| {_f(row['x_chain paper-4'])} | {_f(row['tok_s paper-5'], '.1f')} "
+            f"| {_f(row['x_chain paper-5'])} | {_f(row['tok_s ours'], '.1f')} "
+            f"| {_f(row['x_plain ours'])} | {_f(row['x_chain ours'])} |")
+    return "\n".join(lines)
+
+
+def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: int) -> str:
+    lines = [f"| method ({memory_bytes / (1 << 30):.2f} GiB of KV / state) | "
+             + " | ".join(f"requests at {c}" for c in contexts)
+             + " | GDN state blocks per request |",
+             "|---|" + "--:|" * len(contexts) + "--:|"]
+    for result in results:
+        memory = result["memory"]
+        state = [g["speculative_blocks"] for g in memory["groups"]
+                 if g["speculative_blocks"] is not None]
+        per_request = 1 + state[0] if state else "-"
+        lines.append(f"| {result['method']} | "
+                     + " | ".join(f"{memory['concurrency'][str(c)]:.1f}" for c in contexts)
+                     + f" | {per_request} |")
+    return "\n".join(lines)
+
+
+def best_budgets(rows: list[dict], regime: str = "ours") -> dict[str, dict[int, int]]:
+    """Per context, the measured fixed budget (Weaver) with the most projected tokens/s at
+    each batch: the data for a ``budget_by_batch`` table."""
+    best: dict[str, dict[int, tuple[float, int]]] = {}
+    for row in rows:
+        if row["method"] != TFM or row["tree"] != "weaver" or row["budget"] is None:
+            continue
+        tps = row[f"tok_s {regime}"]
+        if tps is None:
+            continue
+        cell = best.setdefault(str(row["context"]), {})
+        if row["batch"] not in cell or tps > cell[row["batch"]][0]:
+            cell[row["batch"]] = (tps, row["budget"])
+    return {ctx: {b: v[1] for b, v in sorted(cell.items())} for ctx, cell in best.items()}
+
+
+def report(results: list[dict], shapes: Shapes, header: str, out: Path) -> str:
+    ours = ours_taus()
+    rows = project(results, ours, max(shapes.budgets))
+    text = "\n\n".join([
+        header, PROJECTION_NOTE,
+        "tau stated: paper-4 / paper-5 = chain 4 / 5, Weaver(64) 1.77x and DDTree(64) 1.34x "
+        "the chain (no paper tau for other budgets); ours = the trained tiny family at T = 0 "
+        "(BENCHMARKS.md, Mean accepted length; budget 127 takes its 128).",
+        step_table(rows),
+        memory_table(results, shapes.contexts, shapes.memory_bytes),
+        "Best measured Weaver budget by batch (tau ours): "
+        + json.dumps(best_budgets(rows)),
+    ])
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_speed.md").write_text(text + "\n")
+    (out / "bench_speed.json").write_text(json.dumps(
+        {"header": header, "shapes": dataclasses.asdict(shapes), "results": results,
+         "rows": rows}, indent=1))
+    return text
+
+
+def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
+        out: Path, work: Path, deadline_s: float) -> str:
+    """Every method's engine in turn (plain first: the others are compared with it); the
+    report is rewritten after each."""
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    # dflash_tfm's config wrapper still picks V1 for itself where it needs to: each
+    # engine's result names the runner class it got.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    import torch
+
+    import vllm
+    from vllm_tfm.vllm_glue import register
+
+    register()  # the harness has no installed entry point
+    started = time.perf_counter()
+    models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    header = (f"bench_speed {shapes.name} on {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
+              f"vLLM {vllm.__version__}, torch {torch.__version__}, model runner {runner}, "
+              f"{'eager' if shapes.name == 'tiny' else 'mode 0 + FULL_DECODE_ONLY graphs (tree steps eager)'}; "
+              f"{shapes.steps} measured steps per cell (median)")
+
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+
+    settings = tfm_settings(trees, shapes.budgets)
+    results: list[dict] = []
+    text = ""
+    for method in methods:
+        try:
+            results.append(run_method(method, models, shapes, runner, settings,
+                                      started + deadline_s, log))
+        except Exception as error:  # keep the other methods' numbers
+            import traceback
+
+            traceback.print_exc()
+            results.append({"method": method, "error": f"{type(error).__name__}: {error}",
+                            "cells": [], "memory": None})
+        text = report([r for r in results if r["memory"]], shapes, header, out)
+    failed = [f"{r['method']}: {r['error']}" for r in results if "error" in r]
+    return text + ("\n\nFAILED: " + "; ".join(failed) if failed else "")

@@ -1,0 +1,158 @@
+"""Where an engine step's time goes: wrappers on one model-runner instance that mark the
+start and end of each phase (CUDA events on a GPU, host clocks on CPU).
+
+Installed on the instance (``install``), not on vLLM's classes, and only by the benchmark:
+the runner and the plugin stay as they are. Phases, by the runner methods whose calls make
+them up:
+
+    target forward   the model's forward (a CUDA-graph replay where vLLM dispatched one)
+                     and the target LM head (``model.compute_logits``)
+    verify + commit  vLLM's ``_sample`` (the tree verifier under dflash_tfm, vLLM's rejection
+                     sampler under dflash) and ``_update_states_after_model_execute`` (the
+                     tree commit: KV, GDN and conv states along the accepted path)
+    drafting         ``propose_draft_token_ids``: the drafter's forward and LM head, the
+                     candidate pools and the tree build
+
+The step itself runs from ``execute_model`` to the end of ``sample_tokens``; what of it no
+phase covers (input preparation, metadata, host work between launches) is the rest, which
+the benchmark takes against the step's wall period (``speed.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+PHASES = ("drafting", "target forward", "verify + commit")
+
+# Runner attributes (a dotted path from the runner) whose calls make up each phase, by
+# model runner: V1 is vllm/v1/worker/gpu_model_runner.py; V2 (vllm/v1/worker/gpu/
+# model_runner.py) folds the forward into execute_model and drafts through its speculator.
+PHASE_METHODS = {
+    "v1": {
+        "target forward": ("_model_forward", "model.compute_logits"),
+        "verify + commit": ("_sample", "_update_states_after_model_execute"),
+        "drafting": ("propose_draft_token_ids",),
+    },
+    "v2": {
+        "verify + commit": ("sample", "postprocess_sampled"),
+        "drafting": ("speculator.propose",),
+    },
+}
+# V2 has no forward method of its own to wrap: its execute_model (inputs, forward, LM head)
+# stands for the target forward there.
+STEP_FORWARD = {"v1": False, "v2": True}
+
+
+class PhaseTimer:
+    """Marks per step while ``recording``; ``collect`` turns them into milliseconds."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.recording = False
+        self._steps: list[dict] = []
+        self._open: dict | None = None
+
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _elapsed_ms(self, start, end) -> float:
+        if self.cuda:
+            return start.elapsed_time(end)
+        return (end - start) * 1e3
+
+    def step_started(self, scheduler_output) -> None:
+        self._open = None
+        if not self.recording:
+            return
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        scheduled = scheduler_output.num_scheduled_tokens
+        decode = not scheduler_output.scheduled_new_reqs and all(
+            count == 1 + len(spec.get(req_id, ())) for req_id, count in scheduled.items())
+        self._open = {"num_reqs": len(scheduled), "decode": decode,
+                      "tokens": scheduler_output.total_num_scheduled_tokens,
+                      "start": self._mark(), "phases": []}
+
+    def step_finished(self) -> None:
+        if self._open is not None:
+            self._open["end"] = self._mark()
+            self._steps.append(self._open)
+            self._open = None
+
+    def phase(self, name: str, call, *args, **kwargs):
+        step = self._open
+        if step is None:
+            return call(*args, **kwargs)
+        start = self._mark()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            step["phases"].append((name, start, self._mark()))
+
+    def collect(self) -> list[dict]:
+        """The finished steps since the last call: ``num_reqs``, ``decode`` (every request
+        scheduled one token plus its drafts), ``tokens``, ``step_ms`` (execute_model to the
+        end of sample_tokens) and ms per phase."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        steps, self._steps = self._steps, []
+        rows = []
+        for step in steps:
+            row = {"num_reqs": step["num_reqs"], "decode": step["decode"],
+                   "tokens": step["tokens"],
+                   "step_ms": self._elapsed_ms(step["start"], step["end"]),
+                   **{name: 0.0 for name in PHASES}}
+            for name, start, end in step["phases"]:
+                row[name] += self._elapsed_ms(start, end)
+            rows.append(row)
+        return rows
+
+
+def _owner(runner, path: str):
+    *parents, name = path.split(".")
+    owner = runner
+    for part in parents:
+        owner = getattr(owner, part)
+    return owner, name
+
+
+def install(runner, runner_kind: str) -> PhaseTimer:
+    """Wrap ``runner``'s phase methods (``PHASE_METHODS[runner_kind]``) and step bounds on
+    the instance; returns the timer (also kept as ``runner.bench_phase_timer``)."""
+    if runner_kind not in PHASE_METHODS:
+        raise ValueError(f"runner must be one of {sorted(PHASE_METHODS)}, got {runner_kind!r}")
+    timer = PhaseTimer(cuda=torch.cuda.is_available() and runner.device.type == "cuda")
+    execute_model, sample_tokens = runner.execute_model, runner.sample_tokens
+
+    @functools.wraps(execute_model)
+    def timed_execute_model(scheduler_output, *args, **kwargs):
+        timer.step_started(scheduler_output)
+        if STEP_FORWARD[runner_kind]:
+            return timer.phase("target forward", execute_model, scheduler_output, *args,
+                               **kwargs)
+        return execute_model(scheduler_output, *args, **kwargs)
+
+    @functools.wraps(sample_tokens)
+    def timed_sample_tokens(*args, **kwargs):
+        try:
+            return sample_tokens(*args, **kwargs)
+        finally:
+            timer.step_finished()
+
+    runner.execute_model, runner.sample_tokens = timed_execute_model, timed_sample_tokens
+    for name, paths in PHASE_METHODS[runner_kind].items():
+        for path in paths:
+            owner, attribute = _owner(runner, path)
+            if owner is None:  # e.g. no drafter: the phase never runs
+                continue
+            original = getattr(owner, attribute)
+            setattr(owner, attribute, functools.wraps(original)(
+                functools.partial(timer.phase, name, original)))
+    runner.bench_phase_timer = timer
+    return timer
