@@ -163,32 +163,29 @@ def wrap_grammar_bitmask(original):
             if req_id in trees:
                 tokens, parents = trees[req_id]
                 grammar = requests[req_id].structured_output_request.grammar
-                fill_tree_bitmask(grammar, tokens, parents, rows, first_row,
-                                  functools.partial(_fill_row, self))
+                fill_tree_bitmask(grammar, tokens, parents, rows, first_row)
             first_row += 1 + len(scheduled_spec_decode_tokens.get(req_id, ()))
         return bitmask
 
     return grammar_bitmask
 
 
-def _fill_row(manager, grammar, rows: torch.Tensor, row: int) -> None:
-    # The manager's own fill: a terminated grammar gets the all-allowed row, as vLLM
-    # gives it when decoding without drafts.
-    saved = manager._grammar_bitmask
-    manager._grammar_bitmask = rows
-    try:
-        manager._fill_bitmasks(((grammar, row, True),))
-    finally:
-        manager._grammar_bitmask = saved
+def fill_state_row(grammar, rows: torch.Tensor, row: int) -> None:
+    """Row ``row`` of ``rows`` = the mask of the grammar's state; all allowed once it
+    has terminated, as vLLM's manager fills it (``_fill_bitmasks``)."""
+    if grammar.is_terminated():
+        rows[row] = -1
+    else:
+        grammar.fill_bitmask(rows, row)
 
 
 def fill_tree_bitmask(grammar, tokens: list[int], parents: list[int], rows: torch.Tensor,
-                      first_row: int, fill_row) -> None:
+                      first_row: int) -> None:
     """Fill rows ``first_row + 1 ..`` of ``rows`` ([*, words] int32) for a tree's
     drafted nodes: ``tokens[j - 1]``, ``parents[j - 1]`` of node j (parents < j, 0 the
-    root), row ``first_row + j`` = the mask after node j's path. Row ``first_row`` must
-    hold the root's (the grammar's current state). ``fill_row(grammar, rows, row)``
-    writes the mask of the grammar's state. The grammar is left as it was found."""
+    root), row ``first_row + j`` = the mask after node j's path (``fill_state_row``).
+    Row ``first_row`` must hold the root's (the grammar's current state). The grammar
+    is left as it was found."""
     count = len(tokens) + 1
     children: list[list[int]] = [[] for _ in range(count)]
     for node, parent in enumerate(parents, start=1):
@@ -209,7 +206,7 @@ def fill_tree_bitmask(grammar, tokens: list[int], parents: list[int], rows: torc
             _copy_subtree(rows, first_row, node, parents[node - 1], children)
             continue
         grammar.accept_tokens("", [token])
-        fill_row(grammar, rows, first_row + node)
+        fill_state_row(grammar, rows, first_row + node)
         stack.append((node, False))
         stack.extend((child, True) for child in reversed(children[node]))
 
