@@ -541,10 +541,10 @@ def test_openai_server_answers_with_dflash_tfm(family, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             _post(f"{base}/v1/completions", {
                 "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 4,
-                "structured_outputs": {"regex": "[a-z]+"},
+                "thinking_token_budget": 8,
             })
         assert refused.value.code == 400
-        assert "structured_outputs" in refused.value.read().decode()
+        assert "thinking_token_budget" in refused.value.read().decode()
         again = _post(f"{base}/v1/completions", {
             "model": str(family.target), "prompt": PROMPTS[0], "max_tokens": 12,
             "temperature": 0, "return_token_ids": True,
