@@ -42,13 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trees", nargs="+", default=list(TREE_KINDS), choices=TREE_KINDS)
     parser.add_argument("--contexts", nargs="+", type=int)
     parser.add_argument("--batches", nargs="+", type=int)
+    parser.add_argument("--long-batches", nargs="+", type=int,
+                        help="batches at the contexts past the shortest (default: --batches)")
     parser.add_argument("--budgets", nargs="+", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     args = parser.parse_args(argv)
     shapes = SHAPES["tiny" if args.smoke else "qwen3.6-27b"]
-    narrowed = {name: tuple(getattr(args, name)) for name in ("contexts", "batches", "budgets")
+    narrowed = {name: tuple(getattr(args, name)) for name in ("contexts", "batches", "long_batches",
+                                                            "budgets")
                 if getattr(args, name)}
     if args.steps:
         narrowed["steps"] = args.steps

@@ -64,6 +64,14 @@ class Shapes:
     budgets: tuple[int, ...]
     steps: int  # measured steps per cell
     memory_bytes: int  # the fixed KV / state budget every engine gets
+    # Batches at the contexts past the shortest (prefill and KV grow with the context);
+    # None: ``batches``.
+    long_batches: tuple[int, ...] | None = None
+
+    def batches_at(self, context: int) -> tuple[int, ...]:
+        if context == min(self.contexts) or self.long_batches is None:
+            return self.batches
+        return self.long_batches
 
 
 SHAPES = {
@@ -147,7 +155,8 @@ def engine_kwargs(shapes: Shapes, runner: str) -> dict:
     graphs (tools/gpu_e2e.py), on CPU the tests' CPU settings; one engine for the largest
     batch and the longest context."""
     max_model_len = max(shapes.contexts) + 1024
-    common = dict(max_model_len=max_model_len, max_num_seqs=max(shapes.batches),
+    common = dict(max_model_len=max_model_len,
+                  max_num_seqs=max(shapes.batches + (shapes.long_batches or ())),
                   skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
                   disable_log_stats=False)
     if shapes.name == "tiny":
@@ -323,9 +332,10 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                 result["skipped"] = f"context {context} and after: deadline"
                 break
             room = llm.llm_engine.vllm_config.model_config.max_model_len - context - 64
-            session.add(max(shapes.batches), context, max_tokens=room - max_budget)
+            batches = shapes.batches_at(context)
+            session.add(max(batches), context, max_tokens=room - max_budget)
             session.prefill()
-            for batch in sorted(shapes.batches, reverse=True):
+            for batch in sorted(batches, reverse=True):
                 session.keep(batch)
                 for tree, budget in settings if method == TFM else [(None, None)]:
                     if time.perf_counter() > deadline:
