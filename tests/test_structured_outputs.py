@@ -395,3 +395,210 @@ def test_tree_verifiers_sample_the_constrained_law(shape, kind, gen):
         node = child
     assert greedy.output_tokens[0, : len(want)].tolist() == want
     assert grammar.num_processed_tokens == 1
+
+
+# -- the engine: LLM(...) and the OpenAI server -------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                            "size": {"type": "integer"}},
+          "required": ["name", "size"], "additionalProperties": False}
+REGEX = r"def [a-z_]{1,12}\((self|x|n)?\):"
+CHOICES = ["return self", "import os", "pass", "while True:"]
+# An EBNF grammar (xgrammar's GBNF): a call with 1-3 single-letter arguments.
+EBNF = 'root ::= name "(" args ")"\nname ::= [a-z]+\nargs ::= [a-z] ("," [a-z]){0,2}'
+
+
+def constraints():
+    from vllm.sampling_params import StructuredOutputsParams as S
+
+    return {
+        "json_schema": S(json=SCHEMA),
+        "json_object": S(json_object=True),
+        "regex": S(regex=REGEX),
+        "choice": S(choice=CHOICES),
+        "grammar": S(grammar=EBNF),
+        "none": None,
+    }
+
+
+def valid(kind: str, text: str) -> bool:
+    import jsonschema
+
+    if kind == "json_schema":
+        jsonschema.validate(json.loads(text), SCHEMA)
+        return True
+    if kind == "json_object":
+        return isinstance(json.loads(text), dict)
+    if kind == "regex":
+        return re.fullmatch(REGEX, text) is not None
+    if kind == "choice":
+        return text in CHOICES
+    if kind == "grammar":
+        return re.fullmatch(r"[a-z]+\([a-z](,[a-z]){0,2}\)", text) is not None
+    return True
+
+
+@pytest.fixture(scope="module")
+def trained():
+    from vllm_tfm.tiny.family import trained_family
+
+    return trained_family()
+
+
+def tfm_config(family, tree="weaver", budget=16, **extra):
+    config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
+              "num_speculative_tokens": budget, **extra}
+    if tree == "weaver":
+        config["weaver"] = str(family.weaver)
+    return config
+
+
+PROMPT = "def fibonacci(n):\n"
+MAX_TOKENS = 48
+# JSON without free whitespace, so that the tiny models close their objects (xgrammar's
+# default lets them pad with whitespace until max_tokens).
+ENGINE_OPTIONS = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
+
+
+def greedy_run(family, speculative_config) -> dict:
+    from vllm import SamplingParams
+
+    from vllm_tfm.tiny.engine_runs import cpu_engine, top2_margins
+
+    llm = cpu_engine(family.target, speculative_config, max_num_seqs=8, **ENGINE_OPTIONS)
+    kinds = constraints()
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2,
+                             structured_outputs=c) for c in kinds.values()]
+    outputs = [o.outputs[0] for o in llm.generate([PROMPT] * len(params), params,
+                                                    use_tqdm=False)]
+    del llm  # before the next engine starts: its teardown resets global state
+    gc.collect()
+    return {"kinds": list(kinds), "tokens": [list(o.token_ids) for o in outputs],
+            "texts": [o.text for o in outputs], "finish": [o.finish_reason for o in outputs],
+            "margins": [top2_margins(o.logprobs) for o in outputs]}
+
+
+@pytest.fixture(scope="module")
+def no_speculation(trained):
+    return greedy_run(trained, None)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("tree", ["weaver", "chain", "ddtree"])
+def test_greedy_equals_no_speculation_under_each_constraint(trained, no_speculation, tree,
+                                                            monkeypatch):
+    """A mixed batch (JSON schema, json_object, regex, choice, EBNF grammar, and one
+    unconstrained request): every output equals decoding without speculation under the
+    same constraint (up to bf16 ties), every finished output parses / matches. Weaver
+    and chain trees draft no node the grammar forbids (pruned while they grow); DDTree
+    ones are masked when verified only."""
+    from vllm_tfm.tiny.engine_runs import compare_greedy
+    from vllm_tfm.vllm_glue import grammar
+
+    seen = Counter()
+    copy_subtree, child_bitmask = grammar._copy_subtree, grammar.GrammarConstraint.child_bitmask
+
+    def count_unreachable(*args):
+        seen["unreachable"] += 1
+        return copy_subtree(*args)
+
+    def count_expansions(self, *args):
+        seen["expansions"] += 1
+        return child_bitmask(self, *args)
+
+    monkeypatch.setattr(grammar, "_copy_subtree", count_unreachable)
+    monkeypatch.setattr(grammar.GrammarConstraint, "child_bitmask", count_expansions)
+    result = greedy_run(trained, tfm_config(trained, tree))
+    for kind, text, finish in zip(result["kinds"], result["texts"], result["finish"]):
+        assert kind == "none" or finish == "stop", (kind, text)
+        assert valid(kind, text), (kind, text)
+    for kind, row in zip(result["kinds"], compare_greedy(no_speculation, result)):
+        if row["matched"] < row["length"]:
+            assert row["tie"], (kind, row, result["texts"], no_speculation["texts"])
+    if tree == "ddtree":
+        assert seen["expansions"] == 0
+    else:
+        assert seen["expansions"] > 0 and seen["unreachable"] == 0, dict(seen)
+
+
+def sampled_texts(llm, count: int) -> list[str]:
+    """``count`` seeded T = 1 samples: every fourth under ``REGEX``, the others ``CHOICES``."""
+    from vllm import SamplingParams
+
+    kinds = constraints()
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=24,
+                             structured_outputs=kinds["choice" if i % 4 else "regex"])
+              for i in range(count)]
+    return [o.outputs[0].text for o in llm.generate([PROMPT] * count, params, use_tqdm=False)]
+
+
+def choice_counts(texts: list[str]) -> Counter:
+    return Counter(text for i, text in enumerate(texts) if i % 4)
+
+
+@pytest.mark.engine
+def test_sampling_under_a_grammar_follows_the_constrained_distribution(trained):
+    """T = 1 (sampled Weaver trees, traversal): the choices drawn match decoding without
+    speculation (chi-square), every sample is valid, seeded requests reproduce."""
+    from test_engine import _chi_square_p_value
+
+    from vllm_tfm.tiny.engine_runs import cpu_engine
+
+    count = 240
+    llm = cpu_engine(trained.target, None, max_num_seqs=64, **ENGINE_OPTIONS)
+    reference = sampled_texts(llm, count)
+    del llm
+    gc.collect()
+    llm = cpu_engine(trained.target, tfm_config(trained), max_num_seqs=64, **ENGINE_OPTIONS)
+    speculative = sampled_texts(llm, count)
+    again = sampled_texts(llm, count // 4)
+    del llm
+    gc.collect()
+    for texts in (reference, speculative):
+        for i, text in enumerate(texts):
+            assert valid("choice" if i % 4 else "regex", text), (i, text)
+    assert again == speculative[: count // 4], "seeded sampling must be reproducible"
+    assert _chi_square_p_value(choice_counts(reference), choice_counts(speculative)) > 1e-3, (
+        choice_counts(reference), choice_counts(speculative))
+
+
+@pytest.mark.engine
+def test_openai_server_serves_structured_outputs_with_dflash_tfm(trained, tmp_path):
+    """response_format json_schema (chat), regex and choice (completions), greedy and
+    sampled, through `vllm serve` (engine core in its own process: the trees reach the
+    scheduler through the pickled drafts)."""
+    import sys
+
+    from test_engine import _post
+
+    from vllm_tfm.tiny.engine_runs import CPU_SERVER_ARGS, free_port, running_server
+
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(trained.target), *CPU_SERVER_ARGS, "--host", "127.0.0.1",
+        "--port", str(port), "--speculative-config", json.dumps(tfm_config(trained)),
+        "--structured-outputs-config", json.dumps(ENGINE_OPTIONS["structured_outputs_config"]),
+    ]
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    model = str(trained.target)
+    with running_server(command, port, tmp_path / "server.log", start_timeout_s=240,
+                        env=env) as base:
+        for temperature in (0.0, 1.0):
+            chat = _post(f"{base}/v1/chat/completions", {
+                "model": model, "max_tokens": 64, "temperature": temperature, "seed": 3,
+                "messages": [{"role": "user", "content": "Describe a file."}],
+                "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "file", "schema": SCHEMA}},
+            })
+            choice = chat["choices"][0]
+            assert choice["finish_reason"] == "stop", choice
+            assert valid("json_schema", choice["message"]["content"])
+            for kind, field in (("regex", {"regex": REGEX}), ("choice", {"choice": CHOICES})):
+                completion = _post(f"{base}/v1/completions", {
+                    "model": model, "prompt": PROMPT, "max_tokens": 32,
+                    "temperature": temperature, "seed": 5, "structured_outputs": field,
+                })
+                text = completion["choices"][0]["text"]
+                assert completion["choices"][0]["finish_reason"] == "stop", text
+                assert valid(kind, text), (kind, text)
