@@ -115,8 +115,23 @@ TRITON_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "x".join(map(str, c[:6])))
-def test_triton_verify_and_commit_match_naive(case, poisoned_outputs, gen):
+def kernels_for(N: int) -> list[str]:
+    """The verify kernels that take N nodes (the tile kernel holds at most 64)."""
+    return [k for k in chunk_triton.VERIFY_KERNELS if k != "tile" or N <= chunk_triton.TILE_MAX_NODES]
+
+
+def use_kernel(monkeypatch, kernel: str) -> None:
+    """gdn_tree_verify's Triton path launches ``kernel`` instead of the default for N."""
+    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP: kernel)
+
+
+@pytest.mark.parametrize(
+    "case, kernel",
+    [(c, k) for c in TRITON_CASES for k in kernels_for(c[1])],
+    ids=lambda x: x if isinstance(x, str) else "x".join(map(str, x[:6])),
+)
+def test_triton_verify_and_commit_match_naive(case, kernel, poisoned_outputs, gen, monkeypatch):
+    use_kernel(monkeypatch, kernel)
     B, N, H, HV, K, V, shapes = case
     meta = random_tree_metadata(gen, shapes, N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
@@ -142,11 +157,15 @@ def test_triton_verify_and_commit_match_naive(case, poisoned_outputs, gen):
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("kernel", kernels_for(128))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_mixed_counts_skip_padding_row_blocks(dtype, poisoned_outputs, gen):
+def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, poisoned_outputs, gen, monkeypatch):
     """Requests of 128, 65, 64, 17 and 1 nodes in one batch: some end inside the
     first row block, some one node into the second, whose padding blocks the
-    kernels skip; every real node still matches, every padding row is zero."""
+    kernels skip; every real node still matches, every padding row is zero. With
+    bf16 inputs the committed fp32 state still holds fp32 accuracy (the state
+    products split the state in bf16 parts)."""
+    use_kernel(monkeypatch, kernel)
     counts = [128, 65, 64, 17, 1]
     B, N, H, HV, K, V = len(counts), 128, 1, 3, 16, 16
     meta = random_tree_metadata(gen, ["bushy", "random", "chain", "forest", "star"], N, counts)
@@ -163,6 +182,42 @@ def test_triton_mixed_counts_skip_padding_row_blocks(dtype, poisoned_outputs, ge
     gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
     for b in range(B):
         assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL, counts[b]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
+    """Random sizes, grouping, dtypes, tree shapes and node counts, every verify
+    kernel that takes them; the seed and shape are printed for a failing run."""
+    gen = torch.Generator().manual_seed(1000 + seed)
+    pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
+    B, N, H, group = pick([1, 2, 3]), pick([1, 7, 16, 17, 31, 50, 64, 65, 90]), pick([1, 2]), pick([1, 3])
+    K, V, dtype = pick([16, 24, 32]), pick([16, 40]), pick([torch.float32, torch.bfloat16])
+    counts = [N] + [int(torch.randint(1, N + 1, (1,), generator=gen)) for _ in range(B - 1)]
+    shapes = [pick(["random", "bushy", "chain", "forest", "star"]) for _ in range(B)]
+    print(f"seed {1000 + seed}: B={B} N={N} H={H} HV={H * group} K={K} V={V} {dtype} {shapes} {counts}")
+    meta = random_tree_metadata(gen, shapes, N, counts)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, H * group, K, V, dtype=dtype)
+    for t in (q, k, v, g, beta):
+        t[~meta.valid] = float("nan")
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    ref_o = torch.where(meta.valid[..., None, None], ref_o, 0.0)
+    leaf = meta.num_nodes.long() - 1
+    for kernel in kernels_for(N):
+        use_kernel(monkeypatch, kernel)
+        out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
+        check_verify(out, ref_o, meta, FP32_TOL if dtype == torch.float32 else 1e-2)
+        new_pool = pool.clone()
+        gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
+        assert torch.isfinite(new_pool).all(), kernel
+        assert rel_err(new_pool[slots.long()], ref_states[torch.arange(B), leaf]) < FP32_TOL, kernel
+
+
+def test_unknown_verify_kernel_raises(gen):
+    meta = random_tree_metadata(gen, ["random"], 80)
+    inputs = make_inputs(gen, 1, 80, 1, 1, 16, 16)
+    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 64")):
+        with pytest.raises(ValueError, match=match):
+            chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -42,7 +42,7 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree.chunk import PRECISIONS
-from triton_ops.gdn_tree.chunk_triton import verify_triton
+from triton_ops.gdn_tree.chunk_triton import TILE_MAX_NODES, VERIFY_KERNELS, verify_triton
 from triton_ops.testing import random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
@@ -178,16 +178,20 @@ def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
     return q, k, v, g, beta, pool, slots
 
 
-def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None):
+def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None, kernel: str | None = None):
     """(verify output error, committed state error, the float64 outputs) against the
     float64 recurrence, on the first ``first`` requests (the reference keeps every
-    node's state in float64)."""
+    node's state in float64); ``kernel``: a verify kernel other than the default."""
     q, k, v, g, beta, pool, slots = inputs
     B = q.shape[0] if first is None else min(first, q.shape[0])
     sub = type(meta)(**{name: t[:B] for name, t in vars(meta).items()})
     q, k, v, g, beta, slots = q[:B], k[:B], v[:B], g[:B], beta[:B], slots[:B]
     ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, sub)
-    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, sub, precision=precision)
+    if kernel is None:
+        out = gdn_tree_verify(q, k, v, g, beta, pool, slots, sub, precision=precision)
+    else:
+        out = verify_triton(q, k, v, g, beta, pool, slots, sub, q.shape[-1] ** -0.5, True, precision,
+                            kernel=kernel)
     leaf = sub.num_nodes.long() - 1
     new_pool = pool.clone()
     gdn_tree_commit(new_pool, slots, sub, out, leaf, precision=precision)
@@ -319,6 +323,13 @@ def vllm_spec_calls(spec, sets, B, N, HV):
     return lambda i: spec(**layer_args[i])
 
 
+def check_table_errors(failed: list, name: str, verify_err: float, commit_err: float) -> None:
+    """A timing row's own check: bf16 output within bf16 rounding, fp32 commit within 1e-5
+    of float64; NaN never passes."""
+    if not (math.isfinite(verify_err) and verify_err < 1e-2 and math.isfinite(commit_err) and commit_err < 1e-5):
+        failed.append(name)
+
+
 def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[str]:
     smoke = args.smoke
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
@@ -331,7 +342,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
     for N in Ns:
         for B in Bs:
             if time.monotonic() > deadline:
-                rows.append([str(N), str(B), "(out of time)"] + [""] * 10)
+                rows.append([str(N), str(B), "(out of time)"] + [""] * (9 + 2 * len(args.kernels)))
                 continue
             state_bytes = B * HV * K * V * 4
             in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
@@ -372,19 +383,33 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
                 spec_graph = guarded("vLLM spec", time_spec)
             errors = guarded("errors", lambda: gdn_errors(sets[0], meta, first=2)[:2])
             verify_err, commit_err = errors if isinstance(errors, tuple) else (errors, errors)
+            check_table_errors(args.failed, f"gdn {N}x{B} default", verify_err, commit_err)
+            kernel_cells = []
+            for kernel in args.kernels:
+                if kernel == "tile" and N > TILE_MAX_NODES:
+                    kernel_cells += ["-", "-"]
+                    continue
+                us = guarded(f"verify {kernel}", lambda: time_graph(
+                    [lambda s=s: verify_triton(*s, meta, K**-0.5, True, "tf32x3", kernel=kernel) for s in sets],
+                    device))
+                errors = guarded(f"errors {kernel}", lambda: gdn_errors(sets[0], meta, first=2, kernel=kernel)[:2])
+                errors = errors if isinstance(errors, tuple) else (errors, errors)
+                check_table_errors(args.failed, f"gdn {N}x{B} {kernel}", *errors)
+                kernel_cells += [fmt(us), fmt_err(max(errors))]
             verify_floor = 1e6 * (state_bytes + in_bytes + out_bytes) / bandwidth
             commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
             commit_floor = 1e6 * commit_bytes / bandwidth
             rows.append([
                 str(N), str(B), fmt(verify_graph), fmt(verify_floor), fmt(commit_graph), fmt(commit_floor),
                 fmt(rec_graph), fmt(fla_graph), fmt(spec_graph),
-                fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err),
+                fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err), *kernel_cells,
             ])
             del sets
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     header = ["N", "B", "verify", "verify floor", "commit", "commit floor", "per-node-state",
               "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
+    header += [f"{kernel}{part}" for kernel in args.kernels for part in ("", " err")]
     return table(
         f"GDN tree, us per layer under CUDA graphs (H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state "
         f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
@@ -445,8 +470,9 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                  ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
 
 
-def gdn_launches_for_profiler(device) -> list[str]:
-    """Only launch verify + commit twice at the key shapes, for a profiler to read
+def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
+    """Only launch verify + commit twice at the key shapes, and each of ``kernels``
+    twice, for a profiler to read
     (``ncu -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn``)."""
     gen = torch.Generator().manual_seed(6)
     for N, B in ((64, 1), (128, 1), (64, 32)):
@@ -455,22 +481,29 @@ def gdn_launches_for_profiler(device) -> list[str]:
         leaf = torch.full((B,), N - 1, device=device)
         for _ in range(2):
             gdn_tree_commit(inputs[5], inputs[6], meta, gdn_tree_verify(*inputs, meta), leaf)
+            for kernel in kernels:
+                if kernel != "tile" or N <= TILE_MAX_NODES:
+                    verify_triton(*inputs, meta, 128**-0.5, True, "tf32x3", kernel=kernel)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return ["GDN verify + commit launched at (N, B) = (64, 1), (128, 1), (64, 32), twice each", ""]
+    return [f"GDN verify + commit (and {kernels}) launched at (N, B) = (64, 1), (128, 1), (64, 32), twice each",
+            ""]
 
 
 def bench_gdn(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
-    sections = [
-        lambda: gdn_correctness(device, args.smoke, args.failed),
-        lambda: gdn_timing_table(device, args, copy_bandwidth(device), deadline),
-        lambda: gdn_precision_table(device, args.smoke, args.failed, deadline),
-        lambda: gdn_padding_table(device, args, deadline),
-        lambda: gdn_config_sweep(device, args, deadline),
-    ]
-    return run_sections("gdn", sections, args)
+    sections = {
+        "correctness": lambda: gdn_correctness(device, args.smoke, args.failed),
+        "timing": lambda: gdn_timing_table(device, args, copy_bandwidth(device), deadline),
+        "precision": lambda: gdn_precision_table(device, args.smoke, args.failed, deadline),
+        "padding": lambda: gdn_padding_table(device, args, deadline),
+        "sweep": lambda: gdn_config_sweep(device, args, deadline),
+    }
+    unknown = sorted(set(args.gdn_sections) - set(sections))
+    if unknown:
+        raise ValueError(f"--gdn-sections: unknown {unknown}; choose from {sorted(sections)}")
+    return run_sections("gdn", [sections[name] for name in args.gdn_sections], args)
 
 
 # --- tree conv1d ----------------------------------------------------------------------------
@@ -817,6 +850,10 @@ def main() -> int:
                         help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
     parser.add_argument("--profile-gdn", action="store_true",
                         help="only launch the GDN kernels at the key shapes (run it under ncu)")
+    parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep",
+                        help="GDN: comma list of the sections to run, in this order")
+    parser.add_argument("--kernels", default="",
+                        help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN: stop starting new timings after this many seconds")
     args = parser.parse_args()
@@ -828,6 +865,10 @@ def main() -> int:
         parser.error("--smoke runs the kernels interpreted: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
+    args.gdn_sections = [name for name in args.gdn_sections.split(",") if name]
+    args.kernels = [name for name in args.kernels.split(",") if name]
+    if set(args.kernels) - set(VERIFY_KERNELS):
+        parser.error(f"--kernels: choose from {VERIFY_KERNELS}, got {args.kernels}")
     args.device = torch.device("cpu" if args.smoke else "cuda")
     args.failed = []
     started = time.monotonic()
@@ -841,7 +882,7 @@ def main() -> int:
         if args.smoke:
             parser.error("--profile-gdn launches model shapes: run it on the GPU, without --smoke")
         only = []
-        lines += gdn_launches_for_profiler(args.device)
+        lines += gdn_launches_for_profiler(args.device, args.kernels)
     for name in only:
         lines += FAMILIES[name](args)
     lines.append(f"total {time.monotonic() - started:.0f} s; "
