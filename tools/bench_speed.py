@@ -25,7 +25,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from vllm_tfm.benchmarks.speed import PLAIN, SHAPES, TFM, VLLM_DFLASH, run
+from vllm_tfm.benchmarks.speed import PLAIN, SHAPES, TFM, VLLM_DFLASH, merge_reports, run
 from vllm_tfm.options import TREE_KINDS
 
 
@@ -48,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
     parser.add_argument("--deadline-s", type=float, default=1e9)
+    parser.add_argument("--merge", nargs="+", type=Path,
+                        help="only write OUT's report from these runs' bench_speed.json "
+                             "(each method from the last run that measured it)")
     args = parser.parse_args(argv)
+    if args.merge:
+        print(merge_reports(args.merge, args.out))
+        return 0
     shapes = SHAPES["tiny" if args.smoke else "qwen3.6-27b"]
     narrowed = {name: tuple(getattr(args, name)) for name in ("contexts", "batches", "long_batches",
                                                             "budgets")

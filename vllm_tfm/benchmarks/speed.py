@@ -11,8 +11,9 @@ published dimensions (``QWEN36_WEAVER_ARGS``). Shapes "tiny" (the smoke mode, CP
 tiny family, eager.
 
 One engine per method, built for the largest batch and the longest context. Prompts are
-random token ids (no tokenizer). Per context: the largest batch is prefilled once, then
-measured; requests are aborted down to each smaller batch. The ``dflash_tfm`` engine
+random token ids (no tokenizer). Per context, batches from the smallest: each adds requests
+to the running ones (prefilled while those decode), up to what the engine's KV / state
+memory admits; then each setting is measured on that batch. The ``dflash_tfm`` engine
 starts with a Weaver and the largest budget; between measurements the benchmark replaces
 its proposer's options (tree kind and a one-row ``budget_by_batch`` table: see
 vllm_glue/proposer.py) instead of starting an engine per configuration. After every
@@ -82,9 +83,11 @@ SHAPES = {
 
 
 def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...]) -> list[tuple[str, int | None]]:
-    """(tree kind, budget) settings of the dflash_tfm engine, in measuring order; budget
-    None is the plugin's own batch-size-aware rule. A chain is the DFlash block whatever
-    the budget: it runs once, at the smallest budget of at least the block's depth."""
+    """(tree kind, budget) settings of the dflash_tfm engine, in measuring order: the
+    issue's targets first (Weaver(64), the chain, the batch-size-aware rule, DDTree(64)),
+    then every other budget. Budget None is the plugin's own rule. A chain is the DFlash
+    block whatever the budget: it runs once, at the smallest budget of at least the
+    block's depth."""
     settings: list[tuple[str, int | None]] = []
     for tree in trees:
         if tree == "chain":
@@ -94,7 +97,14 @@ def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...]) -> list[tuple
         settings += [(tree, budget) for budget in budgets]
         if tree == "weaver":
             settings.append(("weaver", None))
-    return settings
+    first = [("weaver", 64), ("chain", None), ("weaver", None), ("ddtree", 64)]
+
+    def priority(setting: tuple[str, int | None]) -> int:
+        tree, budget = setting
+        key = (tree, None) if tree == "chain" else setting
+        return first.index(key) if key in first else len(first)
+
+    return sorted(settings, key=priority)
 
 
 # -- models ----------------------------------------------------------------------------
@@ -271,8 +281,19 @@ class Session:
         return seconds
 
     def prefill(self) -> None:
+        """Step until every request has its first token; requests the KV / state memory
+        cannot admit (the scheduler keeps them waiting while every admitted one decodes)
+        are aborted, so a batch is what the engine can run at once."""
+        scheduler = _engine_core(self.llm).scheduler
+        stalled = 0
         while any(self.generated[r] == 0 for r in self.running):
             self.step()
+            started = sum(self.generated[r] > 0 for r in self.running)
+            stalled = stalled + 1 if scheduler.waiting and started == len(scheduler.running) else 0
+            if stalled >= 2:
+                waiting = [r for r in self.running if self.generated[r] == 0]
+                self.running = [r for r in self.running if self.generated[r] > 0]
+                self.engine.abort_request(waiting)
 
     def keep(self, count: int) -> None:
         drop, self.running = self.running[count:], self.running[:count]
@@ -310,7 +331,7 @@ def measure_cell(session: Session, steps: int) -> dict:
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                deadline: float, log) -> dict:
-    """One engine for ``method``: every context, batch (largest first) and, for
+    """One engine for ``method``: every context, batch (smallest first) and, for
     dflash_tfm, every (tree, budget) setting; the engine's memory capacity."""
     import torch
     from vllm import LLM
@@ -332,11 +353,16 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                 result["skipped"] = f"context {context} and after: deadline"
                 break
             room = llm.llm_engine.vllm_config.model_config.max_model_len - context - 64
-            batches = shapes.batches_at(context)
-            session.add(max(batches), context, max_tokens=room - max_budget)
-            session.prefill()
-            for batch in sorted(batches, reverse=True):
-                session.keep(batch)
+            # Smallest batch first (the issue's targets are at batch 1): each larger batch
+            # adds requests to the running ones; the memory may admit fewer.
+            measured = 0
+            for batch in sorted(shapes.batches_at(context)):
+                session.add(batch - len(session.running), context,
+                            max_tokens=room - max_budget)
+                session.prefill()
+                if len(session.running) == measured:
+                    break  # the memory admits no more requests
+                measured = len(session.running)
                 for tree, budget in settings if method == TFM else [(None, None)]:
                     if time.perf_counter() > deadline:
                         result.setdefault("skipped", f"from context {context} batch {batch}")
@@ -344,10 +370,11 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                     if tree is not None:
                         llm.collective_rpc(_set_tree, args=(tree, budget))
                     cell = {"context": context, "tree": tree, "budget": budget,
-                            **measure_cell(session, shapes.steps)}
+                            "requested_batch": batch, **measure_cell(session, shapes.steps)}
                     result["cells"].append(cell)
+                    phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
                     log(f"  {method} ctx {context} B {cell['batch']} {tree or ''} "
-                        f"{budget or ''}: period {cell['period_ms']:.2f} ms")
+                        f"{budget or 'rule'}: period {cell['period_ms']:.2f} ms ({phases})")
             session.close()
     finally:
         del llm
@@ -512,6 +539,24 @@ def report(results: list[dict], shapes: Shapes, header: str, out: Path) -> str:
     return text
 
 
+def merge_reports(paths: list[Path], out: Path) -> str:
+    """One report from several runs' bench_speed.json (e.g. device calls that measured
+    different methods): each method's result from the last file that measured it."""
+    saved = [json.loads(Path(path).read_text()) for path in paths]
+    by_method: dict[str, dict] = {}
+    for run_data in saved:
+        for result in run_data["results"]:
+            if result.get("memory"):
+                by_method[result["method"]] = result
+    shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v
+                       for k, v in saved[-1]["shapes"].items()})
+    contexts = sorted({c for run_data in saved for c in run_data["shapes"]["contexts"]})
+    shapes = dataclasses.replace(shapes, contexts=tuple(contexts))
+    header = "\n".join(f"- {run_data['header']}" for run_data in saved)
+    results = [by_method[m] for m in (PLAIN, VLLM_DFLASH, TFM) if m in by_method]
+    return report(results, shapes, "Merged runs:\n" + header, out)
+
+
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
         out: Path, work: Path, deadline_s: float) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
@@ -542,6 +587,10 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     results: list[dict] = []
     text = ""
     for method in methods:
+        if time.perf_counter() - started > deadline_s:
+            results.append({"method": method, "skipped": "deadline", "cells": [],
+                            "memory": None})
+            continue
         try:
             results.append(run_method(method, models, shapes, runner, settings,
                                       started + deadline_s, log))
