@@ -374,7 +374,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                     result["cells"].append(cell)
                     phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
                     log(f"  {method} ctx {context} B {cell['batch']} {tree or ''} "
-                        f"{budget or 'rule'}: period {cell['period_ms']:.2f} ms ({phases})")
+                        f"{budget or ('rule' if tree else '')}: period {cell['period_ms']:.2f} ms ({phases})")
             session.close()
     finally:
         del llm
