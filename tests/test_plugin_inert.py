@@ -140,14 +140,11 @@ def registered():
 
 def _requests_dflash_tfm_refuses():
     from vllm import SamplingParams
-    from vllm.sampling_params import StructuredOutputsParams
 
-    return {
-        "structured_outputs": SamplingParams(
-            structured_outputs=StructuredOutputsParams(regex="[a-z]+")
-        ),
-        "thinking_token_budget": SamplingParams(thinking_token_budget=8),
-    }
+    # Structured outputs run under dflash_tfm (per tree node); their patches (the
+    # scheduler's draft record, validate_tokens, grammar_bitmask) act only on drafts a
+    # dflash_tfm runner sent with their trees: the structured batches below prove it.
+    return {"thinking_token_budget": SamplingParams(thinking_token_budget=8)}
 
 
 def _engine_config(speculative_config):
