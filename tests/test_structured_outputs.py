@@ -460,12 +460,13 @@ MAX_TOKENS = 48
 ENGINE_OPTIONS = {"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}
 
 
-def greedy_run(family, speculative_config) -> dict:
+def greedy_run(family, speculative_config, **engine) -> dict:
     from vllm import SamplingParams
 
     from vllm_tfm.tiny.engine_runs import cpu_engine, top2_margins
 
-    llm = cpu_engine(family.target, speculative_config, max_num_seqs=8, **ENGINE_OPTIONS)
+    llm = cpu_engine(family.target, speculative_config, max_num_seqs=8, **ENGINE_OPTIONS,
+                     **engine)
     kinds = constraints()
     params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=2,
                              structured_outputs=c) for c in kinds.values()]
@@ -602,3 +603,62 @@ def test_openai_server_serves_structured_outputs_with_dflash_tfm(trained, tmp_pa
                 text = completion["choices"][0]["text"]
                 assert completion["choices"][0]["finish_reason"] == "stop", text
                 assert valid(kind, text), (kind, text)
+        # Streamed: the pieces join into the same valid output as the whole answer.
+        body = {"model": model, "prompt": PROMPT, "max_tokens": 32, "temperature": 0,
+                "structured_outputs": {"regex": REGEX}}
+        whole = _post(f"{base}/v1/completions", body)["choices"][0]["text"]
+        assert _streamed_text(f"{base}/v1/completions", body) == whole
+        assert valid("regex", whole), whole
+
+
+def _streamed_text(url: str, body: dict) -> str:
+    import urllib.request
+
+    request = urllib.request.Request(url, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"Content-Type": "application/json"})
+    pieces = []
+    with urllib.request.urlopen(request, timeout=120) as response:
+        for line in response:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                pieces.append(json.loads(line[6:])["choices"][0]["text"])
+    return "".join(pieces)
+
+
+@pytest.mark.engine
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 cores")
+def test_tensor_parallel_trees_reach_the_scheduler(monkeypatch):
+    """TP = 2 (workers in their own processes): the first rank's trees travel to the
+    scheduler on the pickled drafts, which masks every node by its path; its draft-time
+    grammars prune them; greedy output equals no speculation at the same TP."""
+    from vllm_tfm.tiny.engine_runs import compare_greedy
+    from vllm_tfm.tiny.family import trained_family_with_experts
+    from vllm_tfm.vllm_glue import grammar
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND",
+                       os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    family = trained_family_with_experts()
+    seen = Counter()
+    fill_tree, copy_subtree = grammar.fill_tree_bitmask, grammar._copy_subtree
+
+    def count_trees(*args):
+        seen["trees"] += 1
+        return fill_tree(*args)
+
+    def count_unreachable(*args):
+        seen["unreachable"] += 1
+        return copy_subtree(*args)
+
+    monkeypatch.setattr(grammar, "fill_tree_bitmask", count_trees)
+    monkeypatch.setattr(grammar, "_copy_subtree", count_unreachable)
+    runs = [greedy_run(family, config, tensor_parallel_size=2)
+            for config in (None, tfm_config(family))]
+    plain, speculative = runs
+    for kind, text, finish in zip(speculative["kinds"], speculative["texts"],
+                                  speculative["finish"]):
+        assert kind == "none" or finish == "stop", (kind, text)
+        assert valid(kind, text), (kind, text)
+    for kind, row in zip(speculative["kinds"], compare_greedy(plain, speculative)):
+        if row["matched"] < row["length"]:
+            assert row["tie"], (kind, row, speculative["texts"], plain["texts"])
+    assert seen["trees"] > 0 and seen["unreachable"] == 0, dict(seen)

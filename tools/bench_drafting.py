@@ -13,6 +13,13 @@ stable sorts); it profiles one eager Weaver round (kernel launches by kernel).
 
     python tools/bench_drafting.py                    # CUDA: checks, then the tables
     python tools/bench_drafting.py --cpu --batches 8 --budgets 64   # the tiny family on CPU
+    python tools/bench_drafting.py --cpu --grammar    # structured outputs: cost of a grammar
+
+``--grammar`` (CPU, the trained tiny family's tokenizer) times a JSON-schema grammar inside
+the round and the verification: Weaver / chain rounds with and without the child
+constraint (``vllm_glue.grammar.GrammarConstraint``), then, for the constrained trees, the
+scheduler's tree bitmask (``fill_tree_bitmask``), masking the node logits and greedy /
+target-only verification with and without the masks.
 """
 
 from __future__ import annotations
@@ -135,7 +142,11 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--eager-repeats", type=int, default=5)
+    parser.add_argument("--grammar", action="store_true",
+                        help="with --cpu: the cost of a JSON-schema grammar (see above)")
     args = parser.parse_args()
+    if args.grammar and not args.cpu:
+        parser.error("--grammar runs on CPU with the tiny family's tokenizer: add --cpu")
 
     device = torch.device("cpu" if args.cpu else "cuda")
     if args.cpu:
@@ -160,6 +171,9 @@ def main() -> None:
         except Exception as error:
             print(f"kernel checks failed: {error!r}", flush=True)
 
+    if args.grammar:
+        grammar_tables(args, weaver, head, gen)
+        return
     D = DFLASH_DRAFT_DEPTH
     rows, pool_rows = [], []
     for R in args.batches:
@@ -240,6 +254,145 @@ def main() -> None:
     print("\nPools (LM-head product of the 15 DFlash states + top-512), median ms:")
     print("| B | eager | graph |\n|--:|--:|--:|")
     print("\n".join(pool_rows))
+
+
+# The JSON schema of the grammar benchmark, and the output each request has reached:
+# inside a string value, inside a key, expecting an integer (rows cycle through them).
+BENCH_SCHEMA = {"type": "object", "properties": {"name": {"type": "string"},
+                                                 "size": {"type": "integer"}},
+                "required": ["name", "size"]}
+BENCH_PREFIXES = ('{"name":"', '{"na', '{"name":"ab","size":')
+
+
+def bench_grammars(count: int):
+    """``count`` vLLM xgrammar grammars of ``BENCH_SCHEMA`` over the trained tiny family's
+    tokenizer, each advanced by its ``BENCH_PREFIXES`` output, and their bitmask allocator."""
+    import json
+
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from vllm.v1.structured_output.backend_xgrammar import XgrammarGrammar
+
+    from vllm_tfm.tiny.family import trained_family
+
+    tokenizer = AutoTokenizer.from_pretrained(trained_family().target)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=TINY_VOCAB)
+    # As vLLM compiles it with disable_any_whitespace (compact separators).
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(
+        json.dumps(BENCH_SCHEMA), any_whitespace=False, separators=(",", ":"))
+    grammars = []
+    for r in range(count):
+        grammar = XgrammarGrammar(vocab_size=TINY_VOCAB, matcher=xgr.GrammarMatcher(compiled),
+                                  ctx=compiled)
+        prefix = tokenizer.encode(BENCH_PREFIXES[r % len(BENCH_PREFIXES)])
+        if prefix and not grammar.accept_tokens("", prefix):
+            raise ValueError(f"the tokenizer's {prefix} leaves the grammar")
+        grammars.append(grammar)
+    return grammars, lambda rows: xgr.allocate_token_bitmask(rows, TINY_VOCAB)
+
+
+def allowed_fraction(trees, grammars) -> float:
+    """Drafted nodes whose token the grammar allows below their parent's path."""
+    from vllm_tfm.vllm_glue.grammar import _path_tokens
+
+    allowed = total = 0
+    tokens, parents = trees.tokens.tolist(), trees.parents.tolist()
+    for r, grammar in enumerate(grammars):
+        for j in range(1, int(trees.num_nodes[r])):
+            path = _path_tokens(tokens[r], parents[r], j)
+            allowed += grammar.validate_tokens(path) == path
+            total += 1
+    return allowed / max(total, 1)
+
+
+def grammar_tables(args, weaver, head, gen) -> None:
+    """Draft rounds and verification with and without a grammar (``--grammar``)."""
+    import xgrammar as xgr
+
+    from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only
+    from vllm_tfm.vllm_glue.grammar import GrammarConstraint, fill_state_row, fill_tree_bitmask
+
+    D, config = DFLASH_DRAFT_DEPTH, weaver.config
+    round_rows, verify_rows = [], []
+    for R in args.batches:
+        grammars, allocate = bench_grammars(R)
+        h_v = torch.randn(R, config.d_model, generator=gen).to(weaver.dtype)
+        hidden = torch.randn(R, D, config.d_model, generator=gen).to(weaver.dtype)
+        roots = torch.randint(0, TINY_VOCAB, (R,), generator=gen)
+        full = candidate_pools((hidden.view(R * D, -1) @ head.T).view(R, D, TINY_VOCAB),
+                               config.candidate_pool_size)
+        for budget in args.budgets:
+            depth = draft_depth(budget, D, weaver)
+            pools = type(full)(full.ids[:, :depth].contiguous(), full.scores[:, :depth].contiguous())
+            for tree in ("weaver", "chain"):
+                def round_(constraint):
+                    return draft_trees(tree, roots, pools, budget, weaver=weaver, h_v=h_v,
+                                       dflash_hidden=hidden[:, :depth], validate=False,
+                                       constraint=constraint)
+
+                constraint = GrammarConstraint(grammars, allocate)
+                repeats = args.eager_repeats if tree == "weaver" else args.repeats
+                with torch.inference_mode():
+                    plain_ms = timed(lambda: round_(None), weaver.device, repeats)
+                    constrained_ms = timed(lambda: round_(constraint), weaver.device, repeats)
+                    plain, constrained = round_(None), round_(constraint)
+                nodes = int(constrained.num_nodes.sum()) - R
+                round_rows.append(
+                    f"| {tree} | {R} | {budget} | {plain_ms:.2f} | {constrained_ms:.2f} | "
+                    f"{allowed_fraction(plain, grammars):.0%} | "
+                    f"{allowed_fraction(constrained, grammars):.0%} | {nodes / R:.1f} |")
+                print(round_rows[-1], flush=True)
+                if tree != "weaver":
+                    continue
+                # Verification of the constrained trees, as the engine runs it.
+                N = constrained.tokens.shape[1]
+                logits = torch.randn(R, N, TINY_VOCAB, generator=gen)
+                seeds = torch.arange(R, dtype=torch.int64)
+                tokens, parents = constrained.tokens.tolist(), constrained.parents.tolist()
+
+                def tree_bitmask():
+                    rows = allocate(R * N)
+                    for r, grammar in enumerate(grammars):
+                        n = int(constrained.num_nodes[r])
+                        fill_state_row(grammar, rows, r * N)
+                        fill_tree_bitmask(grammar, tokens[r][1:n], parents[r][1:n], rows, r * N)
+                    return rows
+
+                rows = tree_bitmask()
+
+                def masked_logits():
+                    out = logits.view(R * N, -1).clone()
+                    xgr.apply_token_bitmask_inplace(out, rows)
+                    return out.view(R, N, -1)
+
+                masked = masked_logits()
+                fill_ms = timed(tree_bitmask, weaver.device, args.repeats)
+                apply_ms = timed(masked_logits, weaver.device, args.repeats)
+                cells = []
+                for target in (logits, masked):
+                    probs = torch.softmax(target, -1)
+                    cells.append(timed(lambda: verify_greedy(constrained, target, validate=False),
+                                       weaver.device, args.repeats))
+                    cells.append(timed(lambda: verify_target_only(constrained, probs, seeds,
+                                                                  validate=False),
+                                       weaver.device, args.repeats))
+                verify_rows.append(
+                    f"| {R} | {budget} | {nodes / R:.1f} | {fill_ms:.2f} | {apply_ms:.3f} | "
+                    + " | ".join(f"{c:.3f}" for c in cells) + " |")
+                print(verify_rows[-1], flush=True)
+    print("\nDraft round from the pools with a JSON-schema grammar, median ms (eager "
+          "draft_trees; allowed = drafted nodes the grammar allows below their parent):")
+    print("| tree | B | budget | no grammar | grammar constraint | allowed, no grammar | "
+          "allowed, constraint | nodes per tree |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+    print("\n".join(round_rows))
+    print("\nVerification of the constrained Weaver trees, median ms: the scheduler's tree "
+          "bitmask, masking the node logits (xgrammar), greedy / target-only verifiers on "
+          "unmasked and masked logits:")
+    print("| B | budget | nodes per tree | tree bitmask | mask logits | greedy | target-only | "
+          "greedy, masked | target-only, masked |")
+    print("|--:|--:|--:|--:|--:|--:|--:|--:|--:|")
+    print("\n".join(verify_rows))
 
 
 if __name__ == "__main__":
