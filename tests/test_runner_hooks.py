@@ -1,5 +1,5 @@
-"""Model-runner hooks that need no engine: which steps may replay CUDA graphs, what a new
-runner inherits."""
+"""Model-runner hooks that need no engine: which steps may replay CUDA graphs, which
+engine's forwards see a tree step."""
 
 from types import SimpleNamespace
 
@@ -41,14 +41,44 @@ def test_a_runner_without_plugin_state_is_untouched():
     assert _dispatch(SimpleNamespace()) is False
 
 
-def test_a_new_runner_drops_the_tree_step_a_failed_forward_left_active():
-    """Seen on the H200: a tree step whose forward raised stayed active, and the next engine
-    of the process (vLLM's own dflash) ran the tree path while capturing its CUDA graphs."""
-    tree_step.activate(SimpleNamespace(has_trees=True))
+def _forward_context(static_forward_context: dict):
+    """vLLM's forward context of an engine whose static forward context this is."""
+    from vllm.forward_context import create_forward_context, override_forward_context
+
+    config = SimpleNamespace(compilation_config=SimpleNamespace(
+        fast_moe_cold_start=False, static_forward_context=static_forward_context))
+    return override_forward_context(create_forward_context(None, config))
+
+
+def test_a_tree_step_is_seen_by_its_own_engines_forwards_only():
+    """Seen on the H200 when the step was one module global: a tree step whose forward
+    raised stayed active, and the next engine of the process (vLLM's own dflash) ran the
+    tree path while capturing its CUDA graphs. Each engine now has its own slot."""
+    failed_engine, tree_engine, plain_engine = {}, {}, {}
+    tree_step.install_step_slot(failed_engine).step = SimpleNamespace(has_trees=True)
+    slot = tree_step.install_step_slot(tree_engine)
+    with _forward_context(plain_engine):
+        assert tree_step.active() is None
+    with _forward_context(tree_engine):
+        assert tree_step.active() is None
+        step = SimpleNamespace(has_trees=True)
+        slot.step = step
+        assert tree_step.active() is step
+    assert tree_step.active() is None  # outside any forward
+    # A runner made anew for an engine replaces the slot a failed forward left filled.
+    tree_step.install_step_slot(failed_engine)
+    with _forward_context(failed_engine):
+        assert tree_step.active() is None
+
+
+def test_a_plain_runner_gets_no_slot():
     init = wrap_init(lambda self, vllm_config, device: None)
-    not_tree = SimpleNamespace(additional_config=None, speculative_config=None)
-    init(SimpleNamespace(), not_tree, "cpu")
-    assert tree_step.active() is None
+    context: dict = {}
+    not_tree = SimpleNamespace(additional_config=None, speculative_config=None,
+                               compilation_config=SimpleNamespace(static_forward_context=context))
+    runner = SimpleNamespace()
+    init(runner, not_tree, "cpu")
+    assert runner._tfm_options is None and tree_step.STEP_SLOT_KEY not in context
 
 
 def test_model_runner_v1_is_chosen_past_vllms_env_cache(monkeypatch):
@@ -64,3 +94,13 @@ def test_model_runner_v1_is_chosen_past_vllms_env_cache(monkeypatch):
         assert envs.VLLM_USE_V2_MODEL_RUNNER is False
     finally:
         envs.disable_envs_cache()
+
+
+def test_every_listed_write_into_vllm_names_a_glue_function_that_exists():
+    import importlib
+
+    from vllm_tfm.vllm_glue.patches import VLLM_OBJECT_WRITES
+
+    for write in VLLM_OBJECT_WRITES:
+        module, function = write.writer.split(":")
+        assert callable(getattr(importlib.import_module(module), function, None)), write

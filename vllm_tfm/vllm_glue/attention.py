@@ -14,7 +14,6 @@ import torch
 
 from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.config import tfm_options
-from vllm_tfm.vllm_glue.tree_step import select_requests
 
 
 # CPU_ATTN's block layouts, per (block, kv head): 2 * block_size * D elements,
@@ -99,26 +98,20 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
     """Overwrite ``output`` rows of the step's tree nodes with tree attention."""
     from triton_ops.tree_attention import paged_tree_attention
 
-    requests = step.tree_requests()
-    rows = step.token_rows.index_select(0, requests)
-    valid = rows >= 0
-    num_heads = query.shape[1]
-    q = query.new_zeros(rows.shape[0], rows.shape[1], num_heads, query.shape[2])
-    q[valid] = query[rows[valid]]
+    nodes = step.tree_nodes
     key_cache, value_cache = kv_views
-    window = _sliding_window(impl.sliding_window)
     out = paged_tree_attention(
-        q,
+        nodes.to_nodes(query),
         key_cache,
         value_cache,
-        block_table.index_select(0, requests).to(torch.int32),
-        step.prefix_lens.index_select(0, requests),
-        select_requests(step.meta, requests),
+        block_table.index_select(0, nodes.requests).to(torch.int32),
+        nodes.prefix_lens,
+        nodes.meta,
         impl.scale,
-        sliding_window=window,
+        sliding_window=_sliding_window(impl.sliding_window),
         logits_soft_cap=impl.logits_soft_cap or None,  # vLLM writes 0 for "none"
     )
-    output[rows[valid]] = out[valid].to(output.dtype)
+    output.index_copy_(0, nodes.rows, nodes.real_nodes(out).to(output.dtype))
 
 
 def wrap_tree_attention_forward(original, key_value_views):
@@ -135,7 +128,7 @@ def wrap_tree_attention_forward(original, key_value_views):
             step is None
             or attn_metadata is None
             or self.attn_type != "decoder"
-            or step.tree_requests().numel() == 0
+            or not step.has_trees
         ):
             return original(self, layer, query, key, value, kv_cache, attn_metadata,
                              output, *args, **kwargs)

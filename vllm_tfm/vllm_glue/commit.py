@@ -62,7 +62,7 @@ def commit_step(runner, step) -> None:
 
     leaf = step.accepted_leaf
     num_reqs = len(step.req_ids)
-    if step.tree_requests().numel() > 0:
+    if step.has_trees:
         context = runner.compilation_config.static_forward_context
         for gid, names in _attention_layers_by_group(runner):
             views = [key_value_views(context[name]) for name in names]

@@ -93,9 +93,7 @@ def wrap_gdn_forward_core(original):
         width = weight.shape[-1]
         conv_state, ssm_state = _state_views(self, width)
         out = tree_gdn_core(
-            self, step,
-            metadata.spec_sequence_masks.nonzero().flatten()[:num_spec],
-            metadata.spec_query_start_loc[: num_spec + 1],
+            self, step, step.spec_nodes(metadata.spec_sequence_masks_cpu),
             spec_qkv, spec_b, spec_a,
             weight.view(weight.shape[0], width), conv_state, ssm_state,
             metadata.spec_state_indices_tensor[:num_spec, 0].long(),

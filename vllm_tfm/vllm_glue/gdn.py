@@ -17,36 +17,23 @@ import torch
 import torch.nn.functional as F
 
 from vllm_tfm.vllm_glue import tree_step
-from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord, select_requests
+from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord
 
 
-def _pad_to_nodes(flat: torch.Tensor, local_rows: torch.Tensor) -> torch.Tensor:
-    """[T, ...] rows -> [R, N, ...] by node, zeros for padding."""
-    valid = local_rows >= 0
-    padded = flat.new_zeros(*local_rows.shape, *flat.shape[1:])
-    padded[valid] = flat[local_rows[valid]]
-    return padded
-
-
-def tree_gdn_core(layer, step, requests, spec_query_start, mixed_qkv, b, a,
-                  conv_weight, conv_state, ssm_state, slots) -> torch.Tensor:
+def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, ssm_state,
+                  slots) -> torch.Tensor:
     """Core GDN output [T, HV, V] of the spec tokens (vLLM's token order).
 
     Args:
-        requests: [R'] step request index of each spec sequence, in order.
-        spec_query_start: [R' + 1] start of each spec sequence in ``mixed_qkv``.
+        nodes: the spec requests (``TreeStep.spec_nodes``), rows local to ``mixed_qkv``.
         conv_state: [slots, C, W-1] committed conv columns; ssm_state:
             [slots, HV, K, V]; slots: [R'] each sequence's state slot.
     """
     from triton_ops.gdn_tree import gdn_tree_verify
     from triton_ops.tree_conv import tree_conv1d
 
-    meta = select_requests(step.meta, requests)
-    node = torch.arange(meta.max_nodes, device=mixed_qkv.device)
-    local_rows = torch.where(
-        meta.valid, spec_query_start[:-1].long().view(-1, 1) + node, torch.full_like(node, -1)
-    )
-    x = _pad_to_nodes(mixed_qkv, local_rows)  # [R', N, C]
+    meta = nodes.meta
+    x = nodes.to_nodes(mixed_qkv)  # [R', N, C]
     activation = "silu" if layer.activation in ("silu", "swish") else None
     y = tree_conv1d(x, conv_weight, layer.conv1d.bias, conv_state, slots, meta,
                     activation=activation)
@@ -56,18 +43,18 @@ def tree_gdn_core(layer, step, requests, spec_query_start, mixed_qkv, b, a,
     key = key.reshape(R, N, -1, layer.head_k_dim)
     value = value.reshape(R, N, -1, layer.head_v_dim)
     g = -torch.exp(layer.A_log.float()) * F.softplus(
-        _pad_to_nodes(a, local_rows).float() + layer.dt_bias.float()
+        nodes.to_nodes(a).float() + layer.dt_bias.float()
     )
-    beta = torch.sigmoid(_pad_to_nodes(b, local_rows).float())
+    beta = torch.sigmoid(nodes.to_nodes(b).float())
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True)
     step.gdn_records.append(
         GDNCommitRecord(
-            ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=requests,
+            ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
             meta=meta, verify_out=result, conv_inputs=x,
         )
     )
-    return result.o[meta.valid]
+    return nodes.real_nodes(result.o)
 
 
 def wrap_cpu_spec_forward(original):
@@ -81,10 +68,9 @@ def wrap_cpu_spec_forward(original):
             return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,
                             conv_buf, ssm_state, width, state_len)
         num_spec = attn_metadata_i.num_spec_decodes
-        requests = attn_metadata_i.spec_sequence_masks.nonzero().flatten()[:num_spec]
         slots = attn_metadata_i.spec_state_indices_tensor[:num_spec, 0].long()
         return tree_gdn_core(
-            layer, step, requests, attn_metadata_i.spec_query_start_loc[: num_spec + 1],
+            layer, step, step.spec_nodes(attn_metadata_i.spec_sequence_masks_cpu),
             mixed_qkv_spec, b_spec, a_spec,
             cpu_gdn._unpacked_conv_weight(layer), conv_buf[:, :, : width - 1],
             ssm_state, slots,

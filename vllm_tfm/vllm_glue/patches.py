@@ -1,7 +1,8 @@
 """Every change vllm-tfm makes to vLLM, listed in one place.
 
 Each patch wraps one attribute of one vLLM module; the wrapper receives the
-original and returns the replacement. Applying twice is a no-op. Written for
+original and returns the replacement. Applying twice is a no-op. Every other
+write of the glue into a vLLM object is in ``VLLM_OBJECT_WRITES``. Written for
 vLLM 0.32.x and 0.33.x (model runner V1); the version is checked before anything
 is touched.
 
@@ -219,6 +220,59 @@ PATCHES: tuple[Patch, ...] = (
         "(VLLM_GDN_DECODE_KERNEL=cuda), which would bypass the tree path",
         cuda_only=True,
     ),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    """A write of the glue into an object vLLM owns (beyond the patched attributes)."""
+
+    owner: str  # the vLLM object, as the glue reaches it
+    target: str  # its attribute, key or rows written
+    writer: str  # "vllm_tfm.vllm_glue.<module>:<function>" that writes it
+    why: str
+
+
+# Every write into a vLLM object, in one table (tests/test_runner_hooks.py checks that each
+# writer exists). Attributes named ``_tfm_*`` live on dflash_tfm runners only.
+VLLM_OBJECT_WRITES: tuple[Write, ...] = (
+    Write("GPUModelRunner (V1)", "drafter", f"{_GLUE}.runner:wrap_init",
+          "the tree proposer replaces vLLM's DFlash proposer"),
+    Write("GPUModelRunner (V1)", "_tfm_options, _tfm_step, _tfm_slot, _tfm_undrafted, "
+          "_tfm_failed", f"{_GLUE}.runner:wrap_init",
+          "the engine's options, the step being scored, its slot, requests that lost a "
+          "tree, requests to fail"),
+    Write("CompilationConfig.static_forward_context", "key tree_step.STEP_SLOT_KEY",
+          f"{_GLUE}.tree_step:install_step_slot",
+          "the engine's StepSlot, found by its layers through the forward context (the "
+          "dict is per engine, unlike a module global)"),
+    Write("GPUModelRunner (V1)", "_tfm_attention_groups",
+          f"{_GLUE}.commit:_attention_layers_by_group",
+          "the target's full-attention layers by KV-cache group, cached for the commit"),
+    Write("GPUModelRunner (V1)", "positions / mrope_positions rows of tree nodes",
+          f"{_GLUE}.runner:_apply_tree_positions", "RoPE sees node j at prefix + depth(j)"),
+    Write("GPUModelRunner (V1)", "num_accepted_tokens.gpu, input_batch."
+          "num_accepted_tokens_cpu_tensor, num_accepted_tokens_event",
+          f"{_GLUE}.commit:publish_commit",
+          "pinned to 1: the committed GDN state is in slot 0 after a tree commit"),
+    Write("ForwardContext.attn_metadata", "a GDN layer's entry, for one call",
+          f"{_GLUE}.cuda_gdn:_forward_prompt_rows",
+          "vLLM's GDN path runs the prompt rows of a mixed batch with the spec part removed"),
+    Write("QwenGatedDeltaNetAttention", "enable_fused_gdn_spec_decode, gdn_decode_kernel",
+          f"{_GLUE}.cuda_gdn:wrap_gdn_init",
+          "keep every GDN layer on _forward_core, where the tree path is"),
+    Write("SpeculativeConfig", "config.TREE_MARKER", f"{_GLUE}.config:wrap_create_engine_config",
+          "marks an engine running dflash_tfm (vLLM only knows it as dflash)"),
+    Write("VllmConfig.additional_config", "key config.ADDITIONAL_CONFIG_KEY",
+          f"{_GLUE}.config:wrap_create_engine_config",
+          "dflash_tfm's options, which every process receives with the config"),
+    Write("ModelRunnerOutput (a copy)", "runner.FAILED_REQUESTS",
+          f"{_GLUE}.runner:wrap_sample_tokens",
+          "the requests a failed commit left unknown, for the scheduler to finish"),
+    Write("DraftTokenIds", "grammar.DRAFT_PARENTS", f"{_GLUE}.grammar:attach_tree_parents",
+          "each structured request's tree, for its grammar bitmask"),
+    Write("Request", "grammar._REQUEST_TREE", f"{_GLUE}.grammar:wrap_update_draft_token_ids",
+          "the tree a structured request's drafts form"),
 )
 
 

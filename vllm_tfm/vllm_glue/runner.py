@@ -41,10 +41,9 @@ from vllm.distributed import get_tp_group
 from vllm.logger import init_logger
 
 from triton_ops.tree_metadata import build_tree_metadata
-from vllm_tfm.vllm_glue import tree_step as tree_step_module
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.grammar import attach_tree_parents
-from vllm_tfm.vllm_glue.tree_step import TreeStep
+from vllm_tfm.vllm_glue.tree_step import TreeStep, install_step_slot, request_nodes
 
 logger = init_logger(__name__)
 
@@ -65,9 +64,6 @@ def _report_fault(stage: str, req_ids, consequence: str) -> None:
 def wrap_init(original):
     @functools.wraps(original)
     def __init__(self, vllm_config, device, *args, **kwargs):
-        # A target forward that raised left its tree step active (the commit clears
-        # it): no runner made after it in this process (any engine's) may see it.
-        tree_step_module.activate(None)
         original(self, vllm_config, device, *args, **kwargs)
         self._tfm_options = tfm_options(vllm_config)
         if self._tfm_options is None:
@@ -76,7 +72,9 @@ def wrap_init(original):
 
         self.drafter = TreeProposer(vllm_config, device, self, self._tfm_options)
         self._tfm_step = None
-        self._tfm_hidden_states = None
+        # The layers of this engine find the step here (tree_step.active); a target
+        # forward that raised leaves its step in this slot only.
+        self._tfm_slot = install_step_slot(vllm_config.compilation_config.static_forward_context)
         self._tfm_undrafted: set[str] = set()  # requests that lost a tree: no more drafts
         self._tfm_failed: set[str] = set()  # for the scheduler to finish with an error
 
@@ -131,14 +129,21 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         validate=False,
     )
     total = int(query_start[-1])
+    prefix_lens = torch.from_numpy(prefix_lens.astype(np.int32)).to(device)
+    trees = (num_drafts > 0).nonzero()[0]
+    scheduled = num_scheduled_tokens[:num_reqs]
     return TreeStep(
         req_ids=req_ids,
         meta=meta,
         token_rows=torch.from_numpy(token_rows).to(device),
-        prefix_lens=torch.from_numpy(prefix_lens.astype(np.int32)).to(device),
-        num_scheduled=torch.from_numpy(num_scheduled_tokens[:num_reqs].astype(np.int32)),
+        prefix_lens=prefix_lens,
+        num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
         linear_positions=runner.positions[:total].clone(),
-        has_trees=bool((num_drafts > 0).any()),
+        has_trees=len(trees) > 0,
+        tree_nodes=(request_nodes(meta, prefix_lens, trees, first_node_row[trees],
+                                  num_nodes[trees]) if len(trees) else None),
+        only_tree_rows=bool(((scheduled == num_nodes) & (num_nodes > 1)).all()),
+        num_nodes_host=num_nodes,
         void=torch.from_numpy(void).to(device) if void.any() else None,
     )
 
@@ -175,7 +180,7 @@ def wrap_prepare_inputs(original):
                                    trees_lost=True)
             _apply_tree_positions(self, step)
         self._tfm_step = step
-        tree_step_module.activate(step)
+        self._tfm_slot.step = step
         return result
 
     return _prepare_inputs
@@ -202,7 +207,7 @@ def wrap_sample(original):
         step = getattr(self, "_tfm_step", None)
         if not _enabled(self) or spec_decode_metadata is None or step is None:
             return original(self, logits, spec_decode_metadata)
-        if step.tree_requests().numel() == 0:
+        if not step.has_trees:
             # No drafts anywhere (e.g. a step of prompts): vLLM's sampler, and
             # every request's root is its accepted leaf.
             step.accepted_leaf = torch.zeros(len(step.req_ids), dtype=torch.int64,
@@ -243,7 +248,7 @@ def wrap_update_states_after_model_execute(original):
         original(self, output_token_ids, scheduler_output)
         if not _enabled(self):
             return
-        tree_step_module.activate(None)
+        self._tfm_slot.step = None
         step = self._tfm_step
         if step is None:
             return

@@ -1,9 +1,15 @@
 """The draft trees the target scores in one forward, shared by the runner and the layers.
 
 The runner builds one :class:`TreeStep` per scoring step (after vLLM prepared
-the inputs) and activates it for the target's forward; the attention and GDN
+the inputs) and puts it in its engine's :class:`StepSlot` for the target's
+forward (:func:`active` finds it through vLLM's forward context); the attention and GDN
 layer patches read it, the GDN layers leave their commit records in it, the
 verifier fills the accepted leaves, and the commit consumes it.
+
+Everything a layer reads is indexed once per step from what the host knows (the
+scheduled counts, vLLM's host-side masks): a :class:`RequestNodes` per request
+subset (the tree requests for attention, each GDN metadata's spec requests), so
+the layers launch no host sync and repeat no per-layer selection.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from triton_ops.tree_metadata import TreeMetadata
@@ -23,6 +30,54 @@ def select_requests(meta: TreeMetadata, index: torch.Tensor) -> TreeMetadata:
             field.name: getattr(meta, field.name).index_select(0, index)
             for field in dataclasses.fields(TreeMetadata)
         }
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestNodes:
+    """A subset of the step's requests, in node layout [R', N], with the indices that
+    move rows between it and a flat token layout (the batch's, or a layer's spec rows).
+
+    ``rows[v]`` and ``slots[v]`` pair the flat row of the v-th real node (request-major,
+    node order) with its place in the flattened [R' * N] layout.
+    """
+
+    requests: torch.Tensor  # [R'] int64, indices into the step's requests
+    meta: TreeMetadata  # [R', N], the step's metadata of those requests
+    prefix_lens: torch.Tensor  # [R'] int32
+    rows: torch.Tensor  # [V] int64
+    slots: torch.Tensor  # [V] int64
+
+    def to_nodes(self, flat: torch.Tensor) -> torch.Tensor:
+        """[T, ...] flat rows -> [R', N, ...] by node, zeros for padding."""
+        R, N = self.meta.parents.shape
+        by_node = flat.new_zeros(R * N, *flat.shape[1:])
+        by_node.index_copy_(0, self.slots, flat.index_select(0, self.rows))
+        return by_node.view(R, N, *flat.shape[1:])
+
+    def real_nodes(self, by_node: torch.Tensor) -> torch.Tensor:
+        """[R', N, ...] -> [V, ...], the real nodes in ``rows`` order."""
+        return by_node.flatten(0, 1).index_select(0, self.slots)
+
+
+def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.ndarray,
+                  first_rows: np.ndarray, num_nodes: np.ndarray) -> RequestNodes:
+    """The :class:`RequestNodes` of ``requests`` (host indices into the step's requests),
+    whose node ``j`` sits at flat row ``first_rows[i] + j`` for ``j < num_nodes[i]``
+    (host arrays, one entry per chosen request)."""
+    max_nodes = meta.max_nodes
+    node = np.arange(max_nodes)
+    real = node[None, :] < num_nodes[:, None]
+    rows = (first_rows[:, None] + node[None, :])[real]
+    slots = (np.arange(len(requests))[:, None] * max_nodes + node[None, :])[real]
+    device = meta.parents.device
+    index = torch.from_numpy(np.asarray(requests, dtype=np.int64)).to(device)
+    return RequestNodes(
+        requests=index,
+        meta=select_requests(meta, index),
+        prefix_lens=prefix_lens.index_select(0, index),
+        rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+        slots=torch.from_numpy(slots.astype(np.int64)).to(device),
     )
 
 
@@ -56,6 +111,13 @@ class TreeStep:
     num_scheduled: torch.Tensor  # [R] int32 tokens scheduled this step
     linear_positions: torch.Tensor  # positions vLLM computed, before depth offsets
     has_trees: bool  # some request has draft nodes (known on the host, no sync)
+    # The requests with draft nodes, rows in the flat batch (None: no trees). Built with
+    # the step, read by every attention layer.
+    tree_nodes: RequestNodes | None = None
+    # Every scheduled token is a node of a tree with drafts: no prompt chunk and no
+    # decode without drafts (a tree of one node, which tree attention leaves to vLLM).
+    only_tree_rows: bool = False
+    num_nodes_host: np.ndarray | None = None  # [R] int64, the host's copy of meta.num_nodes
     gdn_records: list[GDNCommitRecord] = dataclasses.field(default_factory=list)
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
     # [R] bool, requests whose tree was lost after vLLM scheduled its drafts (see
@@ -63,16 +125,29 @@ class TreeStep:
     # input well-formed, and only the root is verified (its bonus token is exact, the
     # drafts are never accepted). None: no tree was lost.
     void: torch.Tensor | None = None
+    # spec_nodes' results, by the host mask's bytes: every GDN layer of a KV-cache group
+    # reads the same mask, so the subset is indexed once per group and step.
+    _spec_nodes: dict[bytes, RequestNodes] = dataclasses.field(default_factory=dict)
 
-    @property
-    def only_tree_rows(self) -> bool:
-        """Every scheduled token is a node of a tree with drafts: no prompt chunk and no
-        decode without drafts (a tree of one node, which tree attention leaves to vLLM)."""
-        num_nodes = self.meta.num_nodes.to(self.num_scheduled.device)
-        return bool(((self.num_scheduled == num_nodes) & (num_nodes > 1)).all())
+    def spec_nodes(self, spec_mask_cpu: torch.Tensor) -> RequestNodes:
+        """The requests vLLM's GDN metadata runs as spec decodes (its host mask [R] bool),
+        rows local to their concatenated tokens (vLLM's spec-row order: by request)."""
+        mask = spec_mask_cpu.numpy()[: len(self.req_ids)]
+        key = mask.tobytes()
+        nodes = self._spec_nodes.get(key)
+        if nodes is None:
+            requests = mask.nonzero()[0]
+            counts = self.num_nodes_host[requests]
+            # A spec request's scheduled tokens are exactly its tree's nodes.
+            first_rows = np.cumsum(counts) - counts
+            nodes = request_nodes(self.meta, self.prefix_lens, requests, first_rows, counts)
+            self._spec_nodes[key] = nodes
+        return nodes
 
     def tree_requests(self) -> torch.Tensor:
         """Indices of the requests whose tree has more than the root."""
+        if self.tree_nodes is not None:
+            return self.tree_nodes.requests
         return (self.meta.num_nodes > 1).nonzero().flatten()
 
     def bonus_rows(self) -> torch.Tensor:
@@ -106,13 +181,32 @@ class TreeStep:
         return order
 
 
-_active: TreeStep | None = None
+# The key of an engine's StepSlot in its static forward context: the per-engine dict vLLM
+# hands every forward of that engine's models as ForwardContext.no_compile_layers. Unlike
+# a module global, no engine (of any kind) ever sees another engine's step.
+STEP_SLOT_KEY = "vllm_tfm.tree_step"
 
 
-def activate(step: TreeStep | None) -> None:
-    global _active
-    _active = step
+@dataclasses.dataclass
+class StepSlot:
+    """The tree step of one engine's current target forward; None outside it."""
+
+    step: TreeStep | None = None
+
+
+def install_step_slot(static_forward_context: dict) -> StepSlot:
+    """A fresh slot for the engine whose static forward context this is (a runner made
+    anew replaces the slot, and with it whatever a failed forward left in the old one)."""
+    slot = StepSlot()
+    static_forward_context[STEP_SLOT_KEY] = slot
+    return slot
 
 
 def active() -> TreeStep | None:
-    return _active
+    """The step of the forward running now, read from its forward context."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    slot = get_forward_context().no_compile_layers.get(STEP_SLOT_KEY)
+    return None if slot is None else slot.step

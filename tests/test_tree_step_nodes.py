@@ -1,0 +1,120 @@
+"""The per-step node indices the layers read (tree_step.RequestNodes): built once per step
+from host data, they move the same rows as the per-layer boolean-mask gathers they
+replaced, and a GDN metadata's spec subset is indexed once per step."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from triton_ops.testing import random_tree_batch
+from triton_ops.tree_metadata import build_tree_metadata
+from vllm_tfm.vllm_glue.runner import _build_step
+from vllm_tfm.vllm_glue.tree_step import select_requests
+
+SHAPES = ("chain", "star", "bushy", "random")
+
+
+def mixed_step(gen, num_drafts: list[int], prompt_rows: int):
+    """A step of vLLM's layout: a prompt chunk of ``prompt_rows`` tokens first (none for
+    0), then decodes with ``num_drafts`` drafts each (0: a decode without drafts)."""
+    trees = [d for d in num_drafts if d > 0]
+    shapes = [SHAPES[int(i)] for i in torch.randint(len(SHAPES), (len(trees),), generator=gen)]
+    parents_batch, _ = random_tree_batch(gen, shapes, max(trees) + 1,
+                                         num_nodes=[d + 1 for d in trees])
+    first = 1 if prompt_rows else 0
+    parents, t = {}, 0
+    for r, drafts in enumerate(num_drafts, start=first):
+        if drafts:
+            parents[str(r)] = parents_batch[t, : drafts + 1].numpy()
+            t += 1
+    all_drafts = [0] * first + num_drafts
+    req_ids = [str(r) for r in range(len(all_drafts))]
+    num_scheduled = np.array([prompt_rows] * first + [d + 1 for d in num_drafts],
+                             dtype=np.int32)
+    query_start = np.concatenate([[0], np.cumsum(num_scheduled)])
+    total = int(query_start[-1])
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(num_reqs=len(req_ids), req_ids=req_ids,
+                                    num_computed_tokens_cpu=np.arange(len(req_ids)) * 7),
+        drafter=SimpleNamespace(scheduled_parents=lambda req, n: parents[req][:n]),
+        query_start_loc=SimpleNamespace(np=query_start),
+        positions=torch.arange(total),
+        device=torch.device("cpu"),
+        model_config=SimpleNamespace(hf_config=SimpleNamespace(linear_conv_kernel_dim=4)),
+    )
+    return _build_step(runner, None, num_scheduled, SimpleNamespace(num_draft_tokens=all_drafts))
+
+
+def masked_to_nodes(flat, rows):
+    """The boolean-mask gather the layers did before: [R', N, ...], zeros for padding."""
+    valid = rows >= 0
+    by_node = flat.new_zeros(*rows.shape, *flat.shape[1:])
+    by_node[valid] = flat[rows[valid]]
+    return by_node
+
+
+@pytest.mark.parametrize("num_drafts, prompt_rows", [
+    ([3, 0, 6, 1], 5),  # a prompt chunk, a decode without drafts, trees
+    ([4, 4], 1),  # a prompt chunk whose last token alone is scheduled
+    ([2, 7, 3], 0),  # trees only
+])
+def test_tree_nodes_move_the_rows_of_each_tree(gen, num_drafts, prompt_rows):
+    step = mixed_step(gen, num_drafts, prompt_rows)
+    first = 1 if prompt_rows else 0
+    trees = [r + first for r, d in enumerate(num_drafts) if d > 0]
+    nodes = step.tree_nodes
+    assert nodes.requests.tolist() == trees
+    assert step.only_tree_rows == (prompt_rows == 0 and 0 not in num_drafts)
+    expected_meta = select_requests(step.meta, torch.tensor(trees))
+    assert torch.equal(nodes.meta.ancestor_words, expected_meta.ancestor_words)
+    assert torch.equal(nodes.prefix_lens, step.prefix_lens[trees])
+    total = int(step.linear_positions.numel())
+    flat = torch.randn(total, 3, 2, generator=gen)
+    rows = step.token_rows[trees]
+    by_node = nodes.to_nodes(flat)
+    assert torch.equal(by_node, masked_to_nodes(flat, rows))
+    # Back to the batch rows: the attention output write.
+    out = torch.zeros(total, 3, 2)
+    out.index_copy_(0, nodes.rows, nodes.real_nodes(by_node))
+    reference = torch.zeros(total, 3, 2)
+    reference[rows[rows >= 0]] = by_node[rows >= 0]
+    assert torch.equal(out, reference)
+
+
+def test_a_step_without_drafts_has_no_tree_nodes(gen):
+    step = mixed_step(gen, [1], 4)
+    step_without = _build_step(
+        SimpleNamespace(
+            input_batch=SimpleNamespace(num_reqs=1, req_ids=["0"],
+                                        num_computed_tokens_cpu=np.array([3])),
+            drafter=None, query_start_loc=SimpleNamespace(np=np.array([0, 4])),
+            positions=torch.arange(4), device=torch.device("cpu"),
+            model_config=SimpleNamespace(hf_config=SimpleNamespace(linear_conv_kernel_dim=4)),
+        ),
+        None, np.array([4], dtype=np.int32), SimpleNamespace(num_draft_tokens=[0]),
+    )
+    assert step.has_trees and step.tree_nodes is not None
+    assert not step_without.has_trees and step_without.tree_nodes is None
+    assert step_without.tree_requests().numel() == 0 and not step_without.only_tree_rows
+
+
+def test_spec_nodes_are_local_to_the_spec_rows_and_built_once(gen):
+    num_drafts = [3, 0, 6, 1]
+    step = mixed_step(gen, num_drafts, 5)
+    # vLLM's GDN metadata: every decode is a spec row (drafts or not), the prompt is not.
+    mask = torch.tensor([False, True, True, True, True])
+    nodes = step.spec_nodes(mask)
+    assert nodes.requests.tolist() == [1, 2, 3, 4]
+    counts = [d + 1 for d in num_drafts]
+    starts = np.cumsum([0] + counts)[:-1]
+    spec_rows = torch.randn(sum(counts), 4, generator=gen)
+    node = np.arange(step.meta.max_nodes)
+    local = np.where(node < np.array(counts)[:, None], starts[:, None] + node, -1)
+    assert torch.equal(nodes.to_nodes(spec_rows),
+                       masked_to_nodes(spec_rows, torch.from_numpy(local)))
+    assert torch.equal(nodes.real_nodes(nodes.to_nodes(spec_rows)), spec_rows)
+    assert step.spec_nodes(mask.clone()) is nodes  # same mask: indexed once
+    other = step.spec_nodes(torch.tensor([False, False, True, False, True]))
+    assert other.requests.tolist() == [2, 4] and other is not nodes
