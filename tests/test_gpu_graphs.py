@@ -3,7 +3,10 @@
 vLLM captures CUDA graphs by default; graphs captured without a tree step hold the chain
 kernels, so tree steps must never replay them. Runs `tools/gpu_e2e.py` (one engine per
 configuration) and requires greedy output equal to no speculation (up to bf16 ties), every
-tree kernel to have run, and no tree step to have replayed a graph. Needs a CUDA GPU and
+tree kernel to have run, and no tree step to have replayed a graph. On model runner V2
+(vLLM 0.33's GPU default; dflash_tfm has no V2 path yet) the baselines a V2 tree path must
+match: no speculation replays FULL decode graphs and vLLM's `dflash` (drafter graphed too)
+is lossless against it. Needs a CUDA GPU and
 vLLM importable there: on the H200, through the device tool and tools/gpu_vllm (payload
 built with VLLM_VERSION=0.32.0 or 0.33.0; the report's header names the version that ran),
 
@@ -57,3 +60,19 @@ def test_tree_steps_stay_lossless_under_cuda_graphs(tmp_path, cudagraphs):
         assert launches.get("tree steps, graph mode NONE", 0) > 0, launches
         assert "NOT ties" not in rows[label]["equality"], rows[label]["equality"]
         assert rows[label]["kernels"] == "all ran", rows[label]["kernels"]
+
+
+def test_model_runner_v2_baselines_replay_full_graphs_losslessly(tmp_path):
+    models = tmp_path / "models"
+    assert _gpu_e2e("build", str(models)) == 0
+    status = _gpu_e2e("run", "--models", str(models), "--out", str(tmp_path), "--max-tokens",
+                      "32", "--cudagraphs", "full-decode", "--runner", "v2",
+                      "--configs", "vLLM dflash")
+    report = (tmp_path / "gpu_e2e.md").read_text()
+    assert status == 0, report
+    assert "model runner V2" in report
+    rows = {row["config"]: row for row in json.loads((tmp_path / "gpu_e2e.json").read_text())}
+    assert set(rows) == {"no speculation", "vLLM dflash (chain, 15)"}
+    for label, row in rows.items():
+        assert row["launches"].get("other steps, graph mode FULL", 0) > 0, (label, row)
+    assert "NOT ties" not in rows["vLLM dflash (chain, 15)"]["equality"]

@@ -2,7 +2,7 @@
 
     python tools/gpu_e2e.py build DIR                 # models; any machine (CPU is fine)
     python tools/gpu_e2e.py run --models DIR --out OUT [--max-tokens 48] [--deadline-s 330]
-                                [--cudagraphs off|full-decode|default]
+                                [--cudagraphs off|full-decode|default] [--runner v1|v2]
 
 On the lent H200 (device call carrying [".gpu-vllm", DIR], payload from
 `VLLM_VERSION=0.33.0 bash tools/gpu_vllm/build_payload.sh .gpu-vllm`, or 0.32.0; the whole
@@ -36,6 +36,8 @@ and the others, and fails a configuration whose tree steps replayed a graph.
 finish at different steps and new prompts are prefilled beside running trees: it requires
 the GDN layers' mixed path (prompt rows through vLLM's kernels, tree rows through ours) to
 have run. `--configs` keeps the configurations whose label contains one of its words.
+`--runner v2` runs the configurations without dflash_tfm (no speculation, vLLM's `dflash`)
+on model runner V2 (vLLM 0.33's GPU default); dflash_tfm runs on V1 only so far.
 
 Exit status 1 when a check failed. Configurations are run in priority order and those that
 would start after `--deadline-s` are listed as skipped. The check itself is
@@ -50,7 +52,7 @@ import os
 import sys
 from pathlib import Path
 
-from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, run_all
+from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, RUNNERS, run_all
 from vllm_tfm.tiny.gpu_models import build_models
 
 
@@ -73,19 +75,22 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--cudagraphs", choices=sorted(CUDA_GRAPH_SETTINGS), default="off",
                      help="off: enforce_eager; full-decode: mode 0 + FULL_DECODE_ONLY; "
                           "default: vLLM's default compilation and graphs")
+    run.add_argument("--runner", choices=RUNNERS, default="v1",
+                     help="v1: every configuration on model runner V1; v2: the "
+                          "configurations without dflash_tfm on model runner V2")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
         print(f"models in {args.dir}")
         return 0
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_V2_MODEL_RUNNER": "0",
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                        "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
                        "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
                        "TOKENIZERS_PARALLELISM": "false"}.items():
         os.environ.setdefault(key, value)
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
-                   args.configs, args.cudagraphs)
+                   args.configs, args.cudagraphs, args.runner)
 
 
 if __name__ == "__main__":

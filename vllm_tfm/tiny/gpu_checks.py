@@ -3,6 +3,10 @@ configuration in this process (no speculation, vLLM's `dflash`, `dflash_tfm` tre
 budgets), greedy and sampled, each greedy output compared with no speculation up to bf16
 ties, kernel launches and CUDA-graph dispatch counted (`launch_counts`), one report table
 written after every configuration.
+
+``runner``: "v1" runs every configuration on model runner V1 (dflash_tfm's runner); "v2"
+runs the configurations model runner V2 can run (no speculation, vLLM's `dflash`:
+dflash_tfm has no V2 path yet) on V2, the default of vLLM 0.33 on GPUs.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from vllm_tfm.tiny.launch_counts import (
 HARNESS_LIMITS = (
     "Harness limits: vLLM's Python code (the version in the header) on torch 2.11 without "
     "its compiled ops (tools/gpu_vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
-    "norms/RoPE/SiLU in pure torch, model runner V1, tiny random models (hidden 256, 8 layers, "
-    "random drafter and Weaver: acceptance is low). Timings are functional, not performance."
+    "norms/RoPE/SiLU in pure torch, the model runner in the header, tiny random models (hidden "
+    "256, 8 layers, random drafter and Weaver: acceptance is low). Timings are functional, not "
+    "performance."
 )
+RUNNERS = ("v1", "v2")
 
 ENGINE_KWARGS = dict(
     enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=1024, max_num_seqs=8,
@@ -76,15 +82,57 @@ def configurations(models: Path) -> list[tuple[str, str | None, dict | None]]:
     ]
 
 
+def select_runner(runner: str) -> None:
+    """Make the next engine of this process take model runner ``runner``. vLLM caches its
+    environment once an engine core started: drop the cache (as the plugin does when it
+    selects V1 for dflash_tfm)."""
+    import os
+
+    import vllm.envs as envs
+
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {list(RUNNERS)}, got {runner!r}")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
+    envs.disable_envs_cache()
+
+
+def count_v2_graph_dispatch() -> None:
+    """Count model runner V2's target forwards by CUDA-graph mode ("other steps": V2 runs
+    no tree steps), as launch_counts.count_graph_dispatch does for V1. Dummy runs (capture,
+    profiling) are left out."""
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    dispatch = v2.dispatch_cg_and_sync_dp
+    execute = v2.GPUModelRunner.execute_model
+    in_dummy_run = []
+
+    def execute_model(self, *args, dummy_run: bool = False, **kwargs):
+        in_dummy_run.append(dummy_run)
+        try:
+            return execute(self, *args, dummy_run=dummy_run, **kwargs)
+        finally:
+            in_dummy_run.pop()
+
+    def dispatch_cg_and_sync_dp(*args, **kwargs):
+        result = dispatch(*args, **kwargs)
+        if in_dummy_run and not in_dummy_run[-1]:
+            LAUNCHES[f"other steps, graph mode {result[0].cg_mode.name}"] += 1
+        return result
+
+    v2.GPUModelRunner.execute_model = execute_model
+    v2.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
+
+
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
                max_tokens: list[int], with_margins: bool, max_num_seqs: int,
-               cudagraphs: str = "off") -> dict:
+               cudagraphs: str = "off", runner: str = "v1") -> dict:
     """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
     runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     import torch
     from vllm import LLM, SamplingParams
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    select_runner(runner)
     started = time.perf_counter()
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
               **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
@@ -162,7 +210,8 @@ def _equality(base: dict, spec: dict) -> tuple[str, bool]:
 
 
 def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
-            config_words: list[str] | None, cudagraphs: str = "off") -> int:
+            config_words: list[str] | None, cudagraphs: str = "off",
+            runner: str = "v1") -> int:
     import torch
     import triton
 
@@ -173,6 +222,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     count_project_kernel_launches()
     count_mixed_gdn_calls()
     count_graph_dispatch()
+    count_v2_graph_dispatch()
     prompts = list(PROMPTS)
     if staggered:
         # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests
@@ -188,7 +238,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
               f"tau = mean accepted length incl. bonus (vLLM spec-decode counters); "
-              f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}")
+              f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}; "
+              f"model runner {runner.upper()}")
     print(header, flush=True)
     started = time.perf_counter()
     rows: list[dict] = []
@@ -197,6 +248,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     for label, tree, config in configurations(models):
         if config_words and config is not None and not any(w in label for w in config_words):
             continue
+        if runner == "v2" and tree is not None:
+            continue  # dflash_tfm runs on model runner V1 only (so far)
         elapsed = time.perf_counter() - started
         if elapsed > deadline_s:
             rows.append({"config": label, "skipped": f"deadline, {elapsed:.0f} s elapsed"})
@@ -206,7 +259,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         before = collections.Counter(LAUNCHES)
         try:
             result = run_config(models, config, prompts, lengths, with_margins=config is None,
-                                max_num_seqs=max_num_seqs, cudagraphs=cudagraphs)
+                                max_num_seqs=max_num_seqs, cudagraphs=cudagraphs,
+                                runner=runner)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})
