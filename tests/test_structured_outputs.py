@@ -445,12 +445,10 @@ def trained():
     return trained_family()
 
 
-def tfm_config(family, tree="weaver", budget=16, **extra):
-    config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
-              "num_speculative_tokens": budget, **extra}
-    if tree == "weaver":
-        config["weaver"] = str(family.weaver)
-    return config
+def tfm_config(family, tree="weaver"):
+    from test_engine import tfm_config as engine_config
+
+    return engine_config(family, tree, budget=16)
 
 
 PROMPT = "def fibonacci(n):\n"
