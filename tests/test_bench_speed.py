@@ -67,16 +67,18 @@ def test_projection_is_tau_times_batch_over_the_period_against_plain_and_chain()
 
 def test_report_writes_the_table_and_the_json(tmp_path):
     results = _results()
-    memory = {"num_blocks": 10, "bytes": 1 << 20, "concurrency": {"1024": 4.0},
-              "groups": [{"kind": "MambaSpec", "layers": 3, "page_bytes": 1,
+    memory = {"num_blocks": 10, "concurrency": {"1024": 4.0},
+              "groups": [{"kind": "MambaSpec", "layers": 3, "page_bytes": 1 << 19,
                           "speculative_blocks": 15}]}
     for result in results:
         result["memory"] = memory
     shapes = speed.Shapes("tiny", (1024,), (1, 8), (16, 64), 2, 1 << 20)
+    results[1]["cells"][1]["requested_batch"] = 32  # the memory admitted 8 of 32
     text = speed.report(results, shapes, "header", tmp_path)
     assert speed.PROJECTION_NOTE in text
     assert "| 1024 | 1 | dflash_tfm weaver 64 | 25.00 |" in text
-    assert "| vllm dflash (15) | 4.0 | 16 |" in text
+    assert "| 1024 | 8 (of 32) | vllm dflash (15) | 35.00 |" in text
+    assert "| vllm dflash (15) | 4.0 (0) | 16 | 0.50 |" in text
     saved = json.loads((tmp_path / "bench_speed.json").read_text())
     assert len(saved["rows"]) == 8 and saved["shapes"]["contexts"] == [1024]
     assert (tmp_path / "bench_speed.md").read_text().startswith("header")

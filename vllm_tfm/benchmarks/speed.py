@@ -224,8 +224,7 @@ def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
 
     config = _engine_core(llm).scheduler.kv_cache_config
     vllm_config = llm.llm_engine.vllm_config
-    result = {"num_blocks": config.num_blocks,
-              "bytes": sum(t.size for t in config.kv_cache_tensors), "groups": []}
+    result = {"num_blocks": config.num_blocks, "groups": []}
     for group in config.kv_cache_groups:
         spec = group.kv_cache_spec
         result["groups"].append({
@@ -469,6 +468,12 @@ def label(row: dict) -> str:
     return f"dflash_tfm {row['tree']} {row['budget']}"
 
 
+def batch_label(row: dict) -> str:
+    """The measured batch, and the one asked for where the memory admitted fewer."""
+    asked = row.get("requested_batch", row["batch"])
+    return str(row["batch"]) if asked == row["batch"] else f"{row['batch']} (of {asked})"
+
+
 def step_table(rows: list[dict]) -> str:
     lines = ["| context | batch | configuration | period ms | x plain step | drafting | "
              "target fwd | verify+commit | rest | tok/s paper tau 4 | x plain | x chain "
@@ -476,7 +481,7 @@ def step_table(rows: list[dict]) -> str:
              "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for row in rows:
         lines.append(
-            f"| {row['context']} | {row['batch']} | {label(row)} | {_f(row['period_ms'])} "
+            f"| {row['context']} | {batch_label(row)} | {label(row)} | {_f(row['period_ms'])} "
             f"| {_f(row['x_plain_step'])} | {_f(row['drafting'])} | {_f(row['target forward'])} "
             f"| {_f(row['verify + commit'])} | {_f(row.get('rest'))} "
             f"| {_f(row['tok_s paper-4'], '.1f')} | {_f(row['x_plain paper-4'])} "
@@ -487,18 +492,25 @@ def step_table(rows: list[dict]) -> str:
 
 
 def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: int) -> str:
+    """Requests that fit ``memory_bytes`` at each context (MiB per request beside), GDN
+    state blocks per request and per layer, and the state page (one layer's GDN state,
+    conv state included: vLLM sizes its conv window with num_speculative_tokens)."""
     lines = [f"| method ({memory_bytes / (1 << 30):.2f} GiB of KV / state) | "
-             + " | ".join(f"requests at {c}" for c in contexts)
-             + " | GDN state blocks per request |",
-             "|---|" + "--:|" * len(contexts) + "--:|"]
+             + " | ".join(f"requests at {c} (MiB each)" for c in contexts)
+             + " | GDN state blocks per request and layer | state page MiB |",
+             "|---|" + "--:|" * len(contexts) + "--:|--:|"]
     for result in results:
         memory = result["memory"]
-        state = [g["speculative_blocks"] for g in memory["groups"]
-                 if g["speculative_blocks"] is not None]
-        per_request = 1 + state[0] if state else "-"
-        lines.append(f"| {result['method']} | "
-                     + " | ".join(f"{memory['concurrency'][str(c)]:.1f}" for c in contexts)
-                     + f" | {per_request} |")
+        state = [g for g in memory["groups"] if g["speculative_blocks"] is not None]
+        per_request = 1 + state[0]["speculative_blocks"] if state else "-"
+        page = f"{state[0]['page_bytes'] / (1 << 20):.2f}" if state else "-"
+        cells = []
+        for context in contexts:
+            fits = memory["concurrency"].get(str(context))
+            cells.append("-" if fits is None else
+                         f"{fits:.1f} ({memory_bytes / fits / (1 << 20):.0f})")
+        lines.append(f"| {result['method']} | " + " | ".join(cells)
+                     + f" | {per_request} | {page} |")
     return "\n".join(lines)
 
 
