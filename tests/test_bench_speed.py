@@ -110,3 +110,78 @@ def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
     concurrency = {m: r["memory"]["concurrency"]["32"] for m, r in by_method.items()}
     assert concurrency[TFM] > 4 * concurrency[VLLM_DFLASH]
     assert "| 32 | 1 | dflash_tfm weaver rule (8) |" in text
+
+
+class _FakeRunner:
+    """The V1 runner methods step_phases wraps, calling each other as vLLM's do."""
+
+    class _Model:
+        def compute_logits(self, hidden):
+            return hidden
+
+    def __init__(self):
+        import torch
+
+        self.device = torch.device("cpu")
+        self.model = self._Model()
+        self.calls = []
+
+    def execute_model(self, scheduler_output):
+        self.calls.append("execute_model")
+        self._model_forward()
+        self.model.compute_logits(0)
+
+    def _model_forward(self):
+        self.calls.append("forward")
+
+    def sample_tokens(self, grammar_output):
+        self._sample(None, None)
+        self._update_states_after_model_execute(None, None)
+        return self.propose_draft_token_ids()
+
+    def _sample(self, logits, metadata):
+        self.calls.append("sample")
+
+    def _update_states_after_model_execute(self, tokens, scheduler_output):
+        self.calls.append("commit")
+
+    def propose_draft_token_ids(self):
+        self.calls.append("draft")
+        return "drafts"
+
+
+def _scheduler_output(spec: dict, scheduled: dict, new=()):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(scheduled_spec_decode_tokens=spec, num_scheduled_tokens=scheduled,
+                           scheduled_new_reqs=list(new),
+                           total_num_scheduled_tokens=sum(scheduled.values()))
+
+
+def test_phase_timer_splits_recorded_steps_and_tells_decode_steps_apart():
+    from vllm_tfm.benchmarks.step_phases import PHASES, install
+
+    runner = _FakeRunner()
+    timer = install(runner, "v1")
+    runner.execute_model(_scheduler_output({}, {"a": 1}))
+    assert runner.sample_tokens(None) == "drafts"
+    assert timer.collect() == []  # not recording: nothing kept
+    timer.recording = True
+    runner.execute_model(_scheduler_output({"a": [5, 6]}, {"a": 3, "b": 1}))
+    runner.sample_tokens(None)
+    runner.execute_model(_scheduler_output({}, {"a": 9}, new=["a"]))  # a prompt
+    runner.sample_tokens(None)
+    rows = timer.collect()
+    assert [(r["num_reqs"], r["decode"], r["tokens"]) for r in rows] == [(2, True, 4),
+                                                                        (1, False, 9)]
+    for row in rows:
+        assert all(row[name] >= 0 for name in PHASES)
+        assert sum(row[name] for name in PHASES) <= row["step_ms"]
+    assert runner.calls.count("forward") == 3 and runner.calls[-1] == "draft"
+
+
+def test_phase_timer_refuses_an_unknown_runner():
+    from vllm_tfm.benchmarks.step_phases import install
+
+    with pytest.raises(ValueError, match=r"runner must be one of \['v1', 'v2'\], got 'v3'"):
+        install(_FakeRunner(), "v3")
