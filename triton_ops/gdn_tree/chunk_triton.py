@@ -35,8 +35,12 @@ Commit runs one program per (request, value head, K block, V block).
 
 Dot precision (``precision`` = PREC, tf32x3 by default): ``K K^T`` and ``Q K^T``
 of 16-bit inputs run natively (exact products, fp32 accumulation), of fp32
-inputs at PREC; ``K S0``, ``Q S0``, the merges of the triangular solve,
-``T U``, ``A Delta``, ``P Delta`` and commit's ``K^T Delta`` at PREC.
+inputs at PREC. ``K S0`` and ``Q S0`` of bf16 inputs (PREC not tf32): the fp32
+state as three bf16 parts hi + mid + lo (27 mantissa bits) against the exact
+bf16 keys, three native dots whose products are exact in the fp32 accumulator:
+fp32 accuracy without fp32 copies of K and Q; otherwise at PREC. The merges of
+the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's
+``K^T Delta`` at PREC.
 
 Path sums G are accumulated and kept in float64; inside the kernels they are
 split into fp32 (hi, lo) pairs so that ``G_i - G_j`` is accurate in fp32 (see
@@ -59,8 +63,6 @@ ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
 MAX_SUPER_BLOCK = 64
 K_CHUNK = 64
-# Path nodes per step of the commit's K^T Delta.
-COMMIT_CHUNK = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
 # on an H200 (cause not established); narrower V is padded to 32 columns instead.
 MIN_BLOCK_V = 32
@@ -68,18 +70,12 @@ MIN_BLOCK_V = 32
 
 # Largest node count the tile kernel holds in one tile.
 TILE_MAX_NODES = 64
-VERIFY_KERNELS = ("rows", "tile", "split")
+VERIFY_KERNELS = ("tile", "split")
 
 
 def default_verify_kernel(NP: int) -> str:
     """The verify kernel for a padded node count NP (see the module docstring)."""
     return "tile" if NP <= TILE_MAX_NODES else "split"
-
-
-def default_rows_config(heads: int, V: int) -> tuple[int, int]:
-    """(BV, num_warps) of the rows kernel: narrow V blocks while the batch is small."""
-    BV = 32 if heads < 512 else 64
-    return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -221,9 +217,14 @@ def path_decay(lo, hi, nodes, g_hi, g_lo):
 
 
 @triton.jit
-def batched_unit_lower_inverse(a3, NB: tl.constexpr, BT: tl.constexpr):
-    """``(I + a3[n])^{-1}`` for NB strictly lower triangular BT x BT blocks at once,
-    one row position per step (``T_i = e_i - sum_{j<i} a_ij T_j``, plain fp32)."""
+def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
+    """``(I + a_bd)^{-1}`` [NP, NP], with ``a_bd`` the BT x BT diagonal blocks of
+    the strictly lower triangular ``a``: all blocks advance together, one row
+    position per step (``T_i = e_i - sum_{j<i} a_ij T_j``, plain fp32)."""
+    NB: tl.constexpr = NP // BT
+    blk = tl.arange(0, NB)
+    same = blk[:, None, None, None] == blk[None, None, :, None]
+    a3 = tl.sum(tl.where(same, tl.reshape(a, [NB, BT, NB, BT]), 0.0), axis=2)
     pos = tl.arange(0, BT)
     row = pos[None, :, None]
     t3 = tl.where(row == pos[None, None, :], 1.0, 0.0) + tl.zeros([NB, BT, BT], dtype=tl.float32)
@@ -231,18 +232,6 @@ def batched_unit_lower_inverse(a3, NB: tl.constexpr, BT: tl.constexpr):
         a_i = tl.sum(tl.where(row == i, a3, 0.0), axis=1)
         t_i = tl.where(pos[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * t3, axis=1)
         t3 = tl.where(row == i, t_i[:, None, :], t3)
-    return t3
-
-
-@triton.jit
-def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
-    """``(I + a_bd)^{-1}`` [NP, NP], with ``a_bd`` the BT x BT diagonal blocks of
-    the strictly lower triangular ``a``."""
-    NB: tl.constexpr = NP // BT
-    blk = tl.arange(0, NB)
-    same = blk[:, None, None, None] == blk[None, None, :, None]
-    a3 = tl.sum(tl.where(same, tl.reshape(a, [NB, BT, NB, BT]), 0.0), axis=2)
-    t3 = batched_unit_lower_inverse(a3, NB, BT)
     return tl.reshape(tl.where(same, t3[:, :, None, :], 0.0), [NP, NP])
 
 
@@ -366,148 +355,6 @@ def _verify_tile_kernel(
     out_mask = (nodes[:, None] < N) & (cv[None, :] < V)
     tl.store(delta + out, d, mask=out_mask)
     tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
-def _verify_rows_kernel(
-    q, k, v, g, beta, state, slots, words, num_nodes,
-    o, delta, gate_sum, k_normed,
-    stride_qb, stride_qn, stride_qh, stride_qk,
-    stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_vb, stride_vn, stride_vh, stride_vv,
-    stride_gb, stride_gn, stride_gh,
-    stride_bb, stride_bn, stride_bh,
-    stride_ss, stride_sh, stride_sk, stride_sv,
-    scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKD: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
-):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    h = hv // GROUP
-    H = HV // GROUP
-    n_b = tl.load(num_nodes + b)
-    slot = tl.load(slots + b).to(tl.int64)
-    NB: tl.constexpr = NP // BT
-    blk = tl.arange(0, NB)
-    pos = tl.arange(0, BT)
-    ck = tl.arange(0, BK)
-    cv = i_v * BV + tl.arange(0, BV)
-    q += b * stride_qb + h * stride_qh
-    k += b * stride_kb + h * stride_kh
-    v += b * stride_vb + hv * stride_vh
-    g += b * stride_gb + hv * stride_gh
-    beta += b * stride_bb + hv * stride_bh
-    state += slot * stride_ss + hv * stride_sh
-    gate_sum += b * N * HV + hv
-    out = b * N * HV * V + hv * V
-    o += out
-    delta += out
-    k_normed += b * N * H * K + h * K
-    # One program per key head stores the normalised keys for commit.
-    k_rows = tl.where((i_v == 0) & (hv % GROUP == 0), N, 0)
-
-    # Per-node vectors are held as [NB, BT] (row block, position) so that a row
-    # block's slice is a reduction over the block axis, not a memory round trip.
-    nodes3 = blk[:, None] * BT + pos[None, :]
-    live3 = nodes3 < n_b
-    row_words = words + (b * N + nodes3[:, :, None]) * W
-    g_sum = tl.zeros([NB, BT], dtype=tl.float64)
-    for c in range(0, tl.cdiv(n_b, BT)):
-        cols = c * BT + pos
-        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
-        w = tl.load(row_words + cols[None, None, :] // 64, mask=live3[:, :, None] & (cols < n_b)[None, None, :],
-                    other=0)
-        g_sum += tl.sum(tl.where(bit_is_set(w, cols[None, None, :]), g_c[None, None, :], 0.0), axis=2)
-    # Every V-block program of a head stores the same values.
-    tl.store(gate_sum + nodes3 * HV, g_sum, mask=nodes3 < N)
-    g_hi = g_sum.to(tl.float32)
-    g_lo = (g_sum - g_hi.to(tl.float64)).to(tl.float32)
-
-    # The diagonal blocks, all at once: T_rr = (I + A_rr)^{-1} diag(beta_r) and
-    # the key norms, K in chunks of BKD so that [NB, BT, BKD] stays small.
-    kk3 = tl.zeros([NB, BT, BT], dtype=tl.float32)
-    k_sq3 = tl.zeros([NB, BT], dtype=tl.float32)
-    for j in tl.static_range(BK // BKD):
-        cd = j * BKD + tl.arange(0, BKD)
-        k3 = tl.load(k + nodes3[:, :, None] * stride_kn + cd[None, None, :] * stride_kk,
-                     mask=live3[:, :, None] & (cd < K)[None, None, :], other=0.0)
-        kk3 += dot_raw(k3, tl.permute(k3, (0, 2, 1)), PREC, LOWP_QK)
-        k_sq3 += tl.sum(k3.to(tl.float32) * k3.to(tl.float32), axis=2)
-    rk3 = 1.0 / tl.sqrt(k_sq3 + 1e-6) if USE_L2 else tl.full([NB, BT], 1.0, dtype=tl.float32)
-    beta3 = tl.load(beta + nodes3 * stride_bn, mask=live3, other=0.0).to(tl.float32)
-    w = tl.load(row_words + nodes3[:, None, :] // 64, mask=live3[:, :, None] & live3[:, None, :], other=0)
-    diff = (g_hi[:, :, None] - g_hi[:, None, :]) + (g_lo[:, :, None] - g_lo[:, None, :])
-    strict = pos[None, :, None] > pos[None, None, :]
-    decay3 = tl.exp(tl.where(bit_is_set(w, nodes3[:, None, :]) & strict, diff, float("-inf")))
-    a3 = kk3 * (rk3[:, :, None] * rk3[:, None, :]) * decay3 * beta3[:, :, None]
-    t3 = batched_unit_lower_inverse(a3, NB, BT) * beta3[:, None, :]
-
-    # Row block after row block; K in chunks of BKC (a 16-row dot operand is held
-    # by every warp: whole 128-wide rows would take most of the registers).
-    for r in range(0, tl.cdiv(n_b, BT)):
-        rows = r * BT + pos
-        in_r = blk[:, None] == r
-        g_r = tl.sum(tl.where(in_r, g_sum, 0.0), axis=0)
-        rk_r = tl.sum(tl.where(in_r, rk3, 0.0), axis=0)
-        t_rr = tl.sum(tl.where(in_r[:, :, None], t3, 0.0), axis=0)
-        ks = tl.zeros([BT, BV], dtype=tl.float32)
-        qs = tl.zeros([BT, BV], dtype=tl.float32)
-        qk = tl.zeros([BT, BT], dtype=tl.float32)
-        q_sq = tl.zeros([BT], dtype=tl.float32)
-        for j in tl.static_range(BK // BKC):
-            cj = j * BKC + tl.arange(0, BKC)
-            s_hi, s_mid, s_lo = bf16_parts(load_rows(state, cj, cv, stride_sk, stride_sv, K, V), SPLIT_S0)
-            b_k = load_chunk(k, rows, cj, stride_kn, stride_kk, n_b, K)
-            b_q = load_chunk(q, rows, cj, stride_qn, stride_qk, n_b, K)
-            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
-            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
-            qk += dot_raw(b_q, tl.trans(b_k), PREC, LOWP_QK)
-            q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-            tl.store(k_normed + rows[:, None] * H * K + cj[None, :], b_k.to(tl.float32) * rk_r[:, None],
-                     mask=(rows[:, None] < k_rows) & (cj[None, :] < K))
-        rq_r = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([BT], scale, dtype=tl.float32)
-        e_g = tl.exp(g_r.to(tl.float32))
-        u = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V) - (e_g * rk_r)[:, None] * ks
-        b_o = (e_g * rq_r)[:, None] * qs
-        # Earlier row blocks: U_r -= (A_rc / beta_r) Delta_c and O_r += P_rc Delta_c.
-        for c in range(0, r):
-            cols = c * BT + pos
-            in_c = blk[:, None] == c
-            rk_c = tl.sum(tl.where(in_c, rk3, 0.0), axis=0)
-            decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_b), g_r,
-                                 tl.sum(tl.where(in_c, g_sum, 0.0), axis=0))
-            kk_rc = tl.zeros([BT, BT], dtype=tl.float32)
-            qk_rc = tl.zeros([BT, BT], dtype=tl.float32)
-            for j in tl.static_range(BK // BKC):
-                cj = j * BKC + tl.arange(0, BKC)
-                b_kc = tl.trans(load_chunk(k, cols, cj, stride_kn, stride_kk, n_b, K))
-                kk_rc += dot_raw(load_chunk(k, rows, cj, stride_kn, stride_kk, n_b, K), b_kc, PREC, LOWP_QK)
-                qk_rc += dot_raw(load_chunk(q, rows, cj, stride_qn, stride_qk, n_b, K), b_kc, PREC, LOWP_QK)
-            d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
-            u -= tl.dot(kk_rc * (rk_r[:, None] * rk_c[None, :]) * decay, d_c, input_precision=PREC)
-            b_o += tl.dot(qk_rc * (rq_r[:, None] * rk_c[None, :]) * decay, d_c, input_precision=PREC)
-        d = tl.dot(t_rr, u, input_precision=PREC)
-        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), g_r, g_r)
-        b_o += tl.dot(qk * (rq_r[:, None] * rk_r[None, :]) * decay, d, input_precision=PREC)
-        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-        tl.store(delta + rows[:, None] * HV * V + cv[None, :], d, mask=out_mask)
-        tl.store(o + rows[:, None] * HV * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=out_mask)
-        # Later blocks re-read this block's Delta, written by other threads.
-        tl.debug_barrier()
-
-    # Row blocks past the last real node: zeros, as documented for padding.
-    zeros = tl.zeros([BT, BV], dtype=tl.float32)
-    for r in range(tl.cdiv(n_b, BT), tl.cdiv(N, BT)):
-        rows = r * BT + pos
-        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-        tl.store(delta + rows[:, None] * HV * V + cv[None, :], zeros, mask=out_mask)
-        tl.store(o + rows[:, None] * HV * V + cv[None, :], zeros.to(o.dtype.element_ty), mask=out_mask)
-        tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([BT, BK], dtype=tl.float32),
-                 mask=(rows[:, None] < k_rows) & (ck[None, :] < K))
 
 
 @triton.jit
@@ -684,7 +531,7 @@ def _commit_kernel(
     state, slots, leaves, words, delta, gate_sum, k_normed,
     stride_ss, stride_sh, stride_sk, stride_sv,
     N, HV, K, V, W,
-    GROUP: tl.constexpr, CH: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_k = tl.program_id(1)
@@ -702,28 +549,26 @@ def _commit_kernel(
     tile = (ck[:, None] < K) & (cv[None, :] < V)
     b_s = tl.load(ptr, mask=tile, other=0.0).to(tl.float32)
     # Nothing accepted: no path and no store, the slot stays bit-identical.
-    n_path = tl.where(leaf >= 0, leaf + 1, 0)
+    n_path = tl.where(leaf >= 0, N, 0)
     k_store = tl.where(leaf >= 0, K, 0)
     leaf = tl.maximum(leaf, 0)
+    nodes = tl.arange(0, NP)
+    w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < n_path, other=0)
+    on_path = bit_is_set(w, nodes)
     gate_sum += b * N * HV + hv
     g_leaf = tl.load(gate_sum + leaf * HV)
+    b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
+    weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
+    b_k = tl.load(
+        k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
+        mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
+    )
+    b_d = tl.load(
+        delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
+        mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
+    )
     b_s = b_s * tl.exp(g_leaf.to(tl.float32))
-    # Ancestors precede the leaf (topological order): chunks of CH nodes up to it.
-    for c in range(0, tl.cdiv(n_path, CH)):
-        nodes = c * CH + tl.arange(0, CH)
-        w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < n_path, other=0)
-        on_path = bit_is_set(w, nodes)
-        b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
-        weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
-        b_k = tl.load(
-            k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
-            mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
-        )
-        b_d = tl.load(
-            delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
-            mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
-        )
-        b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
+    b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
     tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=tile & (ck[:, None] < k_store))
 
 
@@ -745,7 +590,7 @@ def verify_triton(
     kernel: str | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
-    ``default_verify_kernel(N)``); ``block_v``, ``num_warps`` (of the tile, rows or
+    ``default_verify_kernel(N)``); ``block_v``, ``num_warps`` (of the tile or
     output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -766,19 +611,6 @@ def verify_triton(
     if kernel not in VERIFY_KERNELS or (kernel == "tile" and NP > TILE_MAX_NODES):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} ('tile' only for N <= {TILE_MAX_NODES}), "
                          f"got {kernel!r} at N = {N}")
-    if kernel == "rows":
-        BV, warps = default_rows_config(B * HV, V)
-        BV = max(MIN_BLOCK_V, block_v or BV)
-        _verify_rows_kernel[(triton.cdiv(V, BV), B * HV)](
-            q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
-            o, delta, gate_sum, k_normed,
-            *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
-            scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKD=max(ROW_BLOCK, min(BK, 4096 // NP)),
-            BKC=min(BK, K_CHUNK), BV=BV, USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp,
-            SPLIT_S0=split_s0, NATIVE=native, num_warps=num_warps or warps,
-        )
-        return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     if kernel == "tile":
         BV, warps = default_tile_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
@@ -828,12 +660,11 @@ def commit_triton(
     B, N, HV, V = out.delta.shape
     H, K = out.k_normed.shape[2], out.k_normed.shape[3]
     NP = dot_block(N)
-    # 64 x 32 state tiles: 102 registers, no spill (sm_90), 384 programs at B = 1.
     BK = min(dot_block(K), 64)
-    BV = min(dot_block(V), 32)
+    BV = min(dot_block(V), 64)
     words = meta.ancestor_words.contiguous()
     _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
         ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,
         *ssm_state.stride(), N, HV, K, V, words.shape[-1],
-        GROUP=HV // H, CH=min(NP, COMMIT_CHUNK), BK=BK, BV=BV, PREC=precision, num_warps=4,
+        GROUP=HV // H, NP=NP, BK=BK, BV=BV, PREC=precision, num_warps=4,
     )
