@@ -335,6 +335,11 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     import torch
     from vllm import LLM
 
+    from vllm_tfm.tiny.gpu_checks import select_runner
+
+    # dflash_tfm's config wrapper still picks V1 for itself where it must: each engine's
+    # result names the runner class it got.
+    select_runner(runner)
     started = time.perf_counter()
     max_budget = max(shapes.budgets)
     llm = LLM(model=models["target"],
@@ -575,9 +580,6 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     report is rewritten after each."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
-    # dflash_tfm's config wrapper still picks V1 for itself where it needs to: each
-    # engine's result names the runner class it got.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "v2" else "0"
     import torch
 
     import vllm
