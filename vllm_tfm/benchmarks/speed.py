@@ -50,7 +50,8 @@ PLAIN, VLLM_DFLASH, TFM = "plain", "vllm dflash (15)", "dflash_tfm"
 PAPER_CHAIN_TAUS = (4.0, 5.0)
 PAPER_RATIO_TO_CHAIN = {("weaver", 64): 1.77, ("ddtree", 64): 1.34}
 # The trained tiny family's measured tau (BENCHMARKS.md, "Mean accepted length").
-OURS_ACCEPTANCE = Path(__file__).resolve().parents[2] / "models/tiny_trained/eval_acceptance_h200.json"
+OURS_ACCEPTANCE = (Path(__file__).resolve().parents[2]
+                   / "models/tiny_trained/eval_acceptance_h200.json")
 EVAL_METHODS = {"weaver": "tfm", "ddtree": "ddtree", "chain": "chain"}
 PROJECTION_NOTE = ("Projected tokens/s are a projection from measured step times and a "
                    "stated mean accepted length tau (tokens per step per request), not "
@@ -377,8 +378,9 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                             "requested_batch": batch, **measure_cell(session, shapes.steps)}
                     result["cells"].append(cell)
                     phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
-                    log(f"  {method} ctx {context} B {cell['batch']} {tree or ''} "
-                        f"{budget or ('rule' if tree else '')}: period {cell['period_ms']:.2f} ms ({phases})")
+                    setting = f"{tree} {budget or 'rule'}" if tree else ""
+                    log(f"  {method} ctx {context} B {cell['batch']} {setting}: period "
+                        f"{cell['period_ms']:.2f} ms ({phases})")
             session.close()
     finally:
         del llm
@@ -423,7 +425,7 @@ def stated_tau(regime: str, tree: str | None, budget: int, ours: dict) -> float 
     return ours.get((tree, 128 if budget == MAX_BUDGET else budget))
 
 
-REGIMES = ("paper-4", "paper-5", "ours")
+REGIMES = (*(f"paper-{tau:g}" for tau in PAPER_CHAIN_TAUS), "ours")
 
 
 def rule_budget(max_budget: int, batch: int) -> int:
@@ -589,9 +591,11 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     started = time.perf_counter()
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    header = (f"bench_speed {shapes.name} on {device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: "
-              f"vLLM {vllm.__version__}, torch {torch.__version__}, model runner {runner}, "
-              f"{'eager' if shapes.name == 'tiny' else 'mode 0 + FULL_DECODE_ONLY graphs (tree steps eager)'}; "
+    graphs = ("eager" if shapes.name == "tiny"
+              else "mode 0 + FULL_DECODE_ONLY graphs (tree steps eager)")
+    header = (f"bench_speed {shapes.name} on {device}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
+              f"torch {torch.__version__}, model runner {runner}, {graphs}; "
               f"{shapes.steps} measured steps per cell (median)")
 
     def log(message: str) -> None:
