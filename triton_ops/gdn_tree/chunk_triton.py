@@ -217,14 +217,17 @@ def path_decay(lo, hi, nodes, g_hi, g_lo):
 
 
 @triton.jit
-def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
-    """``(I + a_bd)^{-1}`` [NP, NP], with ``a_bd`` the BT x BT diagonal blocks of
-    the strictly lower triangular ``a``: all blocks advance together, one row
-    position per step (``T_i = e_i - sum_{j<i} a_ij T_j``, plain fp32)."""
-    NB: tl.constexpr = NP // BT
+def diagonal_blocks(a, NB: tl.constexpr, BT: tl.constexpr):
+    """[NB, BT, BT]: the BT x BT diagonal blocks of the [NB * BT, NB * BT] ``a``."""
     blk = tl.arange(0, NB)
     same = blk[:, None, None, None] == blk[None, None, :, None]
-    a3 = tl.sum(tl.where(same, tl.reshape(a, [NB, BT, NB, BT]), 0.0), axis=2)
+    return tl.sum(tl.where(same, tl.reshape(a, [NB, BT, NB, BT]), 0.0), axis=2)
+
+
+@triton.jit
+def batched_unit_lower_inverse(a3, NB: tl.constexpr, BT: tl.constexpr):
+    """``(I + a3[n])^{-1}`` of NB strictly lower triangular BT x BT blocks at once,
+    one row position per step (``T_i = e_i - sum_{j<i} a_ij T_j``, plain fp32)."""
     pos = tl.arange(0, BT)
     row = pos[None, :, None]
     t3 = tl.where(row == pos[None, None, :], 1.0, 0.0) + tl.zeros([NB, BT, BT], dtype=tl.float32)
@@ -232,21 +235,27 @@ def block_diagonal_inverse(a, NP: tl.constexpr, BT: tl.constexpr):
         a_i = tl.sum(tl.where(row == i, a3, 0.0), axis=1)
         t_i = tl.where(pos[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * t3, axis=1)
         t3 = tl.where(row == i, t_i[:, None, :], t3)
-    return tl.reshape(tl.where(same, t3[:, :, None, :], 0.0), [NP, NP])
+    return t3
 
 
 @triton.jit
-def unit_lower_inverse(a, SB: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
-    """``(I + a)^{-1}`` [SB, SB] for strictly lower triangular ``a``: the 16-row
-    diagonal blocks inverted together, then block row r of the inverse is
-    ``D_r^{-1} (e_r - a_{r,<r} T_{<r})`` over the rows already final."""
-    d_inv = block_diagonal_inverse(a, SB, BT)
-    t = d_inv
-    blk = tl.arange(0, SB) // BT
-    for r in tl.static_range(1, SB // BT):
-        a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
-        t -= tl.dot(d_inv, tl.dot(a_r, t, input_precision=PREC), input_precision=PREC)
-    return t
+def block_forward_solve(a, rhs, NP: tl.constexpr, BT: tl.constexpr, PREC: tl.constexpr):
+    """``(I + a)^{-1} rhs`` for strictly lower triangular ``a`` [NP, NP] and ``rhs``
+    [NP, W]: the BT x BT diagonal blocks D_r inverted together, then block row r
+    ``X_r = D_r^{-1} (rhs_r - a_{r,<r} X_{<r})`` over the rows already final. The
+    inverses stay [NB, BT, BT] and a batched dot applies them (a broadcast into an
+    [NP, NP] block-diagonal tile spilled 5x more on sm_90); ``a`` without its
+    diagonal blocks reaches block row r only through the final ``X_{<r}``."""
+    NB: tl.constexpr = NP // BT
+    W: tl.constexpr = rhs.shape[1]
+    blk = tl.arange(0, NP) // BT
+    d3 = batched_unit_lower_inverse(diagonal_blocks(a, NB, BT), NB, BT)
+    a_off = tl.where(blk[:, None] == blk[None, :], 0.0, a)
+    x = tl.reshape(tl.dot(d3, tl.reshape(rhs, [NB, BT, W]), input_precision=PREC), [NP, W])
+    for r in tl.static_range(1, NB):
+        y = tl.reshape(rhs - tl.dot(a_off, x, input_precision=PREC), [NB, BT, W])
+        x = tl.where(blk[:, None] == r, tl.reshape(tl.dot(d3, y, input_precision=PREC), [NP, W]), x)
+    return x
 
 
 @triton.jit
@@ -329,15 +338,7 @@ def _verify_tile_kernel(
     b_v = load_rows(v, nodes, cv, stride_vn, stride_vv, n_b, V)
     rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
 
-    # Block forward substitution: every block solved with its diagonal inverse,
-    # block r after subtracting A_{r,<r} Delta_{<r} of the blocks before it.
-    d_inv = block_diagonal_inverse(a, NP, BT)
-    d = tl.dot(d_inv, rhs, input_precision=PREC)
-    blk = nodes // BT
-    for r in tl.static_range(1, NP // BT):
-        a_r = tl.where((blk[:, None] == r) & (blk[None, :] < r), a, 0.0)
-        x = rhs - tl.dot(a_r, d, input_precision=PREC)
-        d = tl.where(blk[:, None] == r, tl.dot(d_inv, x, input_precision=PREC), d)
+    d = block_forward_solve(a, rhs, NP, BT, PREC)
 
     qk = tl.zeros([NP, NP], dtype=tl.float32)
     for c in tl.static_range(BK // BKC):
@@ -436,7 +437,9 @@ def _verify_prepare_kernel(
         strict = rows[:, None] > rows[None, :]
         a = tl.where(strict, kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
         at = rows[:, None] * NP + rows[None, :]
-        tl.store(solve + at, unit_lower_inverse(a, SB, BT, PREC) * b_beta[None, :])
+        pos = tl.arange(0, SB)
+        eye = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
+        tl.store(solve + at, block_forward_solve(a, eye, SB, BT, PREC) * b_beta[None, :])
         qk = tl.zeros([SB, SB], dtype=tl.float32)
         q_sq = tl.zeros([SB], dtype=tl.float32)
         for j in tl.static_range(BK // BKC):
