@@ -378,6 +378,7 @@ def test_tree_verifiers_sample_the_constrained_law(shape, kind, gen):
     for keys, order_weight in sibling_orders(tree):
         plan = traversal_plan(tree, probs, keys)
         cases = enumerate_plan(tree, probs, plan)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
         for path, bonus, weight, _, _ in cases:
             key = output_of(tree, path, bonus)
             outcomes[key] = outcomes.get(key, 0.0) + weight * order_weight

@@ -11,10 +11,11 @@ under dflash_tfm:
   drafted node) on the ``DraftTokenIds`` it returns (``attach_tree_parents``); it
   travels wherever vLLM sends that object (the first tensor-parallel rank's, which
   grew the trees every rank verifies; pickled between processes);
-* the scheduler keeps every drafted node (``keep_tree_drafts``) and fills row j of
+* the scheduler records the tree on the request (``wrap_update_draft_token_ids``),
+  keeps every drafted node (``wrap_validate_tokens``) and fills row j of
   the request's bitmask with the grammar state after node j's path, by one walk of
   the tree that accepts each node's token and rolls it back after its subtree
-  (``fill_tree_bitmask``). Row j is the mask of the logits row of node j, the
+  (``wrap_grammar_bitmask``, ``fill_tree_bitmask``). Row j is the mask of the logits row of node j, the
   layout vLLM's ``apply_grammar_bitmask`` already applies before the sampling step,
   so verification sees each node's logits masked by its own path: greedy is
   constrained greedy, sampling the constrained distribution. A node whose token the
@@ -149,6 +150,11 @@ def wrap_grammar_bitmask(original):
             parents = _scheduled_tree(requests[req_id], spec)
             if parents is not None:
                 trees[req_id] = (list(spec), parents)
+            elif spec and hasattr(requests[req_id], _REQUEST_TREE):
+                # A dflash_tfm request's drafts are a tree: as a chain they would get
+                # wrong masks. update_draft_token_ids keeps no drafts without their tree.
+                raise RuntimeError(f"request {req_id}: scheduled drafts {list(spec)} are not "
+                                   "the tree its runner sent")
         if not trees:
             return original(self, requests, structured_output_request_ids,
                             scheduled_spec_decode_tokens)
