@@ -4,6 +4,9 @@ then one timing table per family.
     python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--sweep] [--smoke]
     ncu --clock-control none -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn
 
+(ncu writes its report when the program exits: a run cut by a timeout leaves none, so bound
+it with ncu's ``-c COUNT`` rather than a timeout.)
+
 Families: ``gdn`` (tree verify / commit against the per-node-state baseline, fla's chunk
 kernel on a chain of the same N and vLLM's own GDN spec-decode kernel at the same token
 count, where importable), ``conv`` (tree conv1d and its commit), ``attn`` (tree attention
@@ -342,6 +345,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
     # The key shapes first, so that a cut-off run still has them; printed in (N, B) order.
     key = [(64, 1), (128, 1), (64, 32)]
     shapes = [s for s in key if s[0] in Ns and s[1] in Bs] + [(N, B) for N in Ns for B in Bs if (N, B) not in key]
+    if args.gdn_shapes and not smoke:
+        shapes = args.gdn_shapes
     for N, B in shapes:
         if time.monotonic() > deadline:
             rows.append([str(N), str(B), "(out of time)"] + [""] * (9 + 2 * len(args.kernels)))
@@ -855,6 +860,9 @@ def main() -> int:
                         help="only launch the GDN kernels at the key shapes (run it under ncu)")
     parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep",
                         help="GDN: comma list of the sections to run, in this order")
+    parser.add_argument("--gdn-shapes", default="",
+                        help="GDN timing table: only these NxB shapes, e.g. 64x1,128x1 (default: N in 16..128, "
+                             "B in 1, 8, 32)")
     parser.add_argument("--kernels", default="",
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--budget-s", type=float, default=360.0,
@@ -870,6 +878,12 @@ def main() -> int:
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
     args.gdn_sections = [name for name in args.gdn_sections.split(",") if name]
     args.kernels = [name for name in args.kernels.split(",") if name]
+    try:
+        args.gdn_shapes = [tuple(int(x) for x in item.split("x")) for item in args.gdn_shapes.split(",") if item]
+    except ValueError:
+        parser.error(f"--gdn-shapes: NxB items like 64x1,128x32, got {args.gdn_shapes!r}")
+    if any(len(shape) != 2 or min(shape) < 1 for shape in args.gdn_shapes):
+        parser.error(f"--gdn-shapes: NxB items with N, B >= 1, got {args.gdn_shapes}")
     if set(args.kernels) - set(VERIFY_KERNELS):
         parser.error(f"--kernels: choose from {VERIFY_KERNELS}, got {args.kernels}")
     args.device = torch.device("cpu" if args.smoke else "cuda")
