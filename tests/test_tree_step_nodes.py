@@ -10,7 +10,7 @@ import torch
 
 from triton_ops.testing import random_tree_batch
 from triton_ops.tree_metadata import build_tree_metadata
-from vllm_tfm.vllm_glue.runner import _build_step
+from vllm_tfm.vllm_glue.runner import _apply_tree_positions, _build_step
 from vllm_tfm.vllm_glue.tree_step import select_requests
 
 SHAPES = ("chain", "star", "bushy", "random")
@@ -118,3 +118,21 @@ def test_spec_nodes_are_local_to_the_spec_rows_and_built_once(gen):
     assert step.spec_nodes(mask.clone()) is nodes  # same mask: indexed once
     other = step.spec_nodes(torch.tensor([False, False, True, False, True]))
     assert other.requests.tolist() == [2, 4] and other is not nodes
+
+
+@pytest.mark.parametrize("num_drafts, prompt_rows", [([3, 0, 6, 1], 5), ([2, 7, 3], 0)])
+def test_tree_positions_are_prefix_plus_depth(gen, num_drafts, prompt_rows):
+    step = mixed_step(gen, num_drafts, prompt_rows)
+    total = int(step.linear_positions.numel())
+    mrope = SimpleNamespace(gpu=torch.arange(total).repeat(3, 1))
+    runner = SimpleNamespace(positions=torch.arange(total) + 1000, uses_mrope=True,
+                             mrope_positions=mrope)
+    _apply_tree_positions(runner, step)
+    expected = torch.arange(total) + 1000
+    for r in range(len(step.req_ids)):
+        count = int(step.num_nodes_host[r])
+        for j in range(count):
+            row = int(step.token_rows[r, j])
+            expected[row] = row - j + int(step.meta.depths[r, j]) + 1000
+    assert torch.equal(runner.positions, expected)
+    assert torch.equal(runner.mrope_positions.gpu, (expected - 1000).repeat(3, 1))

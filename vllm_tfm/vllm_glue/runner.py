@@ -149,13 +149,17 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
 
 
 def _apply_tree_positions(runner, step: TreeStep) -> None:
-    """RoPE sees node j at prefix + depth(j); slots stay linear (prefix + j)."""
-    rows = step.token_rows[step.meta.valid]
-    node = torch.arange(step.meta.max_nodes, device=rows.device).expand_as(step.token_rows)
-    shift = (node - step.meta.depths.long())[step.meta.valid]
-    runner.positions[rows] -= shift
+    """RoPE sees node j at prefix + depth(j); slots stay linear (prefix + j). Only the
+    nodes of trees with drafts move (a root's depth is its index, 0)."""
+    nodes = step.tree_nodes
+    if nodes is None:
+        return
+    depths = nodes.meta.depths.long()
+    node = torch.arange(nodes.meta.max_nodes, device=depths.device).expand_as(depths)
+    shift = nodes.real_nodes(node - depths)
+    runner.positions[nodes.rows] -= shift
     if runner.uses_mrope:
-        runner.mrope_positions.gpu[:, rows] -= shift
+        runner.mrope_positions.gpu[:, nodes.rows] -= shift
 
 
 def wrap_prepare_inputs(original):
