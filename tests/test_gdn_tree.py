@@ -4,6 +4,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
@@ -210,6 +212,31 @@ def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
         gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
         assert torch.isfinite(new_pool).all(), kernel
         assert rel_err(new_pool[slots.long()], ref_states[torch.arange(B), leaf]) < FP32_TOL, kernel
+
+
+@triton.jit
+def _bf16_parts_kernel(x_ptr, parts_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    hi, mid, lo = chunk_triton.bf16_parts(tl.load(x_ptr + offs), True)
+    tl.store(parts_ptr + offs, hi.to(tl.float32))
+    tl.store(parts_ptr + BLOCK + offs, mid.to(tl.float32))
+    tl.store(parts_ptr + 2 * BLOCK + offs, lo.to(tl.float32))
+
+
+def test_bf16_parts_keep_fp32_accuracy(gen):
+    """hi + mid + lo of an fp32 state is within 2^-24 of it at every magnitude the
+    state can hold, each part a bf16 value (the bf16 state-product path relies on both)."""
+    x = torch.randn(1024, generator=gen) * torch.exp2(torch.randint(-60, 60, (1024,), generator=gen).float())
+    x[:4] = torch.tensor([0.0, -0.0, 1.0, -3.0e38])
+    device = "cpu" if interpreting() else "cuda"
+    x = x.to(device)
+    parts = torch.empty(3, 1024, device=device)
+    _bf16_parts_kernel[(1,)](x, parts, BLOCK=1024)
+    x, parts = x.cpu(), parts.cpu()
+    for part in parts:
+        assert torch.equal(part.to(torch.bfloat16).float(), part)
+    total = parts.double().sum(0)
+    assert ((total - x.double()).abs() <= 2.0**-24 * x.double().abs()).all()
 
 
 def test_unknown_verify_kernel_raises(gen):

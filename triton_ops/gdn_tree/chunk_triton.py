@@ -36,7 +36,7 @@ Commit runs one program per (request, value head, K block, V block).
 Dot precision (``precision`` = PREC, tf32x3 by default): ``K K^T`` and ``Q K^T``
 of 16-bit inputs run natively (exact products, fp32 accumulation), of fp32
 inputs at PREC. ``K S0`` and ``Q S0`` of bf16 inputs (PREC not tf32): the fp32
-state as three bf16 parts hi + mid + lo (27 mantissa bits) against the exact
+state as three bf16 parts hi + mid + lo (off by < 2^-24 relative) against the exact
 bf16 keys, three native dots whose products are exact in the fp32 accumulator:
 fp32 accuracy without fp32 copies of K and Q; otherwise at PREC. The merges of
 the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's
@@ -138,8 +138,9 @@ def dot_raw(x, y, PREC: tl.constexpr, LOWP: tl.constexpr):
 
 @triton.jit
 def bf16_parts(s0, SPLIT: tl.constexpr):
-    """(hi, mid, lo) bf16 parts of the fp32 ``s0`` (27 mantissa bits in all) when
-    SPLIT, else ``s0`` three times (no copies)."""
+    """(hi, mid, lo) bf16 parts of the fp32 ``s0`` when SPLIT, else ``s0`` three
+    times (no copies). Each rounding to 8 significant bits leaves at most 2^-8 of
+    what it rounds, so hi + mid + lo is within 2^-24 of ``s0``: fp32's own rounding."""
     if SPLIT:
         hi = s0.to(tl.bfloat16)
         rest = s0 - hi.to(tl.float32)
