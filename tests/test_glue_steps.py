@@ -44,11 +44,13 @@ def test_node_logits_are_each_requests_last_rows(gen, batch, max_nodes):
     # vLLM's logits rows: each request's sampled rows end at cu_num_sampled_tokens.
     cu = torch.cumsum(counts, 0)
     logits = torch.randn(int(cu[-1]), 11, generator=gen)
-    got = _node_logits(logits, SimpleNamespace(cu_num_sampled_tokens=cu), meta.num_nodes)
-    assert got.shape == (batch, max_nodes, 11)
+    logits[:, 3] = float("-inf")  # a token a grammar masks: no NaN in the padding
+    width = max_nodes + 2  # the trees' N: every tree of the step may be smaller
+    got = _node_logits(logits, SimpleNamespace(cu_num_sampled_tokens=cu), meta.num_nodes, width)
+    assert got.shape == (batch, width, 11)
     for b in range(batch):
         start = int(cu[b] - counts[b])
-        for j in range(max_nodes):
+        for j in range(width):
             expected = logits[start + j] if j < counts[b] else torch.zeros(11)
             assert torch.equal(got[b, j], expected), (b, j)
 

@@ -508,6 +508,7 @@ def test_greedy_equals_no_speculation_under_each_constraint(trained, no_speculat
 
     monkeypatch.setattr(grammar, "_copy_subtree", count_unreachable)
     monkeypatch.setattr(grammar.GrammarConstraint, "child_bitmask", count_expansions)
+    count_fallbacks(monkeypatch, seen)
     result = greedy_run(trained, tfm_config(trained, tree))
     for kind, text, finish in zip(result["kinds"], result["texts"], result["finish"]):
         assert kind == "none" or finish == "stop", (kind, text)
@@ -515,10 +516,49 @@ def test_greedy_equals_no_speculation_under_each_constraint(trained, no_speculat
     for kind, row in zip(result["kinds"], compare_greedy(no_speculation, result)):
         if row["matched"] < row["length"]:
             assert row["tie"], (kind, row, result["texts"], no_speculation["texts"])
+    assert seen["fallbacks"] == 0, "a tree step fell back to sampling its roots"
     if tree == "ddtree":
         assert seen["expansions"] == 0
     else:
         assert seen["expansions"] > 0 and seen["unreachable"] == 0, dict(seen)
+
+
+def count_fallbacks(monkeypatch, seen: Counter) -> None:
+    """Count the steps whose tree verification failed (``verify.sample_roots``): exact
+    output, but no draft accepted, so a test of trees must see none."""
+    from vllm_tfm.vllm_glue import verify
+
+    sample_roots = verify.sample_roots
+
+    def counted(*args):
+        seen["fallbacks"] += 1
+        return sample_roots(*args)
+
+    monkeypatch.setattr(verify, "sample_roots", counted)
+
+
+@pytest.mark.engine
+def test_a_batch_of_small_pruned_trees_is_verified(trained, no_speculation, monkeypatch):
+    """A choice alone: the grammar prunes every tree of the step below the budget (trees
+    of a few nodes, or the root only); they are verified as trees, and the output is the
+    constrained greedy one."""
+    from vllm import SamplingParams
+
+    from vllm_tfm.tiny.engine_runs import cpu_engine, spec_counters
+
+    seen = Counter()
+    count_fallbacks(monkeypatch, seen)
+    llm = cpu_engine(trained.target, tfm_config(trained), max_num_seqs=8,
+                     disable_log_stats=False, **ENGINE_OPTIONS)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                            structured_outputs=constraints()["choice"])
+    output = llm.generate([PROMPT], params, use_tqdm=False)[0].outputs[0]
+    drafts, accepted = spec_counters(llm)
+    del llm
+    gc.collect()
+    choice = no_speculation["kinds"].index("choice")
+    assert list(output.token_ids) == no_speculation["tokens"][choice]
+    assert seen["fallbacks"] == 0 and drafts > 0 and accepted > 0, (dict(seen), drafts, accepted)
 
 
 def sampled_texts(llm, count: int) -> list[str]:
@@ -564,9 +604,8 @@ def test_sampling_under_a_grammar_follows_the_constrained_distribution(trained):
 
 @pytest.mark.engine
 def test_openai_server_serves_structured_outputs_with_dflash_tfm(trained, tmp_path):
-    """response_format json_schema (chat), regex and choice (completions), greedy and
-    sampled, through `vllm serve` (engine core in its own process: the trees reach the
-    scheduler through the pickled drafts)."""
+    """response_format json_schema and json_object (chat), regex and choice (completions),
+    greedy and sampled, streamed, through `vllm serve` (engine core in its own process)."""
     import sys
 
     from test_engine import _post
@@ -602,6 +641,13 @@ def test_openai_server_serves_structured_outputs_with_dflash_tfm(trained, tmp_pa
                 text = completion["choices"][0]["text"]
                 assert completion["choices"][0]["finish_reason"] == "stop", text
                 assert valid(kind, text), (kind, text)
+        chat = _post(f"{base}/v1/chat/completions", {
+            "model": model, "max_tokens": 64, "temperature": 0,
+            "messages": [{"role": "user", "content": "Describe a file."}],
+            "response_format": {"type": "json_object"},
+        })
+        assert chat["choices"][0]["finish_reason"] == "stop", chat
+        assert valid("json_object", chat["choices"][0]["message"]["content"])
         # Streamed: the pieces join into the same valid output as the whole answer.
         body = {"model": model, "prompt": PROMPT, "max_tokens": 32, "temperature": 0,
                 "structured_outputs": {"regex": REGEX}}

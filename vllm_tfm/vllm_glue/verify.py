@@ -56,11 +56,14 @@ _DETERMINISTIC_TREE_VERIFIERS = {
 }
 
 
-def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor) -> torch.Tensor:
-    """[R, N, V] logits of each node (rows of request r: cu_sampled[r] - n_r + j)."""
+def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor,
+                 width: int) -> torch.Tensor:
+    """[R, width, V] logits of each node (rows of request r: cu_sampled[r] - n_r + j),
+    zero past each request's n_r: ``width`` is the trees' N, which every tree of a step
+    may leave partly empty (a grammar prunes them, a frontier runs dry)."""
     ends = spec_metadata.cu_num_sampled_tokens.to(logits.device).long()
     count = num_nodes.to(logits.device).long()
-    node = torch.arange(int(count.max()), device=logits.device)
+    node = torch.arange(width, device=logits.device)
     rows = (ends - count).view(-1, 1) + node
     valid = node < count.view(-1, 1)
     # where, not a product: a grammar-masked row holds -inf, and -inf * 0 is NaN.
@@ -221,8 +224,8 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     verified = num_nodes if step.void is None else torch.where(step.void, 1, num_nodes)
     tree = runner.drafter.scheduled_trees(step.req_ids, verified)
     raw = logits.float()
-    node_logits = apply_request_processing(_node_logits(raw, spec_metadata, num_nodes), tree,
-                                           sampling)
+    node_logits = apply_request_processing(
+        _node_logits(raw, spec_metadata, num_nodes, tree.tokens.shape[1]), tree, sampling)
     is_greedy = greedy_requests(sampling, num_reqs, raw.device)
     processed = node_logits
     if not sampling.all_greedy:
