@@ -654,6 +654,8 @@ def test_openai_server_serves_structured_outputs_with_dflash_tfm(trained, tmp_pa
         whole = _post(f"{base}/v1/completions", body)["choices"][0]["text"]
         assert _streamed_text(f"{base}/v1/completions", body) == whole
         assert valid("regex", whole), whole
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "dflash_tfm:" not in log, "a tree stage failed (see runner.py's fault list)"
 
 
 def _streamed_text(url: str, body: dict) -> str:
