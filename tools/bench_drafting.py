@@ -16,7 +16,7 @@ stable sorts); it profiles one eager Weaver round (kernel launches by kernel).
     python tools/bench_drafting.py --cpu --grammar    # structured outputs: cost of a grammar
 
 ``--grammar`` (CPU, the trained tiny family's tokenizer) times a JSON-schema grammar inside
-the round and the verification: Weaver / chain rounds with and without the child
+the round and the verification: Weaver / DDTree / chain rounds with and without the child
 constraint (``vllm_glue.grammar.GrammarConstraint``), then, for the constrained trees, the
 scheduler's tree bitmask (``fill_tree_bitmask``), masking the node logits and greedy /
 target-only verification with and without the masks.
@@ -324,7 +324,7 @@ def grammar_tables(args, weaver, head, gen) -> None:
         for budget in args.budgets:
             depth = draft_depth(budget, D, weaver)
             pools = type(full)(full.ids[:, :depth].contiguous(), full.scores[:, :depth].contiguous())
-            for tree in ("weaver", "chain"):
+            for tree in TREES:
                 def round_(constraint):
                     return draft_trees(tree, roots, pools, budget, weaver=weaver, h_v=h_v,
                                        dflash_hidden=hidden[:, :depth], validate=False,

@@ -21,14 +21,14 @@ Tie-breaking (exactly what the brute-force tests reproduce):
   descending, pool index ascending); the frontier pops by (score descending,
   insertion order ascending), children inserted in pop order then rank.
 
-Chain, Weaver and sampled trees take an optional :class:`ChildConstraint` (a
-grammar, for structured outputs): a candidate it forbids below an expanded node
-is never drafted there, and the budget goes to the allowed ones. It is asked
-once per expansion step (chain: per depth; sampled: per depth) for the nodes
-being expanded, so its cost is bounded by the nodes a round expands (at most
-``budget`` per request). DDTree ranks prefixes level by level over
-path-independent marginals and takes none (its nodes are still masked when
-verified).
+Every builder takes an optional :class:`ChildConstraint` (a grammar, for
+structured outputs): a candidate it forbids below a node is never drafted
+there, and the budget goes to the allowed ones. It is asked once per expansion
+step (chain, DDTree, sampled: per depth) about the nodes being expanded: the
+Weaver's pops, the chain's last node, DDTree's entries of a level that can
+still be among the best ``budget`` prefixes, the sampled tree's internal nodes;
+at most ``budget`` per request and step. The sampled tree keeps the
+marginals' shape and draws from q restricted to what the constraint allows.
 """
 
 from __future__ import annotations
@@ -152,6 +152,7 @@ def build_ddtree(
     pool_logits: torch.Tensor,
     budget: int,
     validate: bool = True,
+    constraint: ChildConstraint | None = None,
 ) -> DraftTree:
     """DDTree: the ``budget`` most likely prefixes under the product of marginals.
 
@@ -161,10 +162,16 @@ def build_ddtree(
     level instead: the depth-(d+1) members of the top-``budget`` set are
     children of depth-d members with a rank below ``budget``, so each depth
     keeps only its best ``budget`` candidates. Nodes come in best-first order.
+
+    ``constraint``: the ``budget`` most likely prefixes among those it allows token by
+    token. Each level asks it about that level's entries that can still be among the
+    best ``budget`` (at most ``budget`` per level, on the host).
     """
     _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
     logp = torch.log_softmax(pool_logits.float(), dim=-1)
-    shape = _best_prefixes(logp, budget)
+    levels = None if constraint is None else _ConstrainedLevels(constraint, root_tokens,
+                                                                pool_ids, budget)
+    shape = _best_prefixes(logp, budget, levels)
     R, D, _ = pool_ids.shape
     row = (shape.depth - 1).clamp(min=0)
     drafted = pool_ids[torch.arange(R, device=pool_ids.device)[:, None], row].gather(
@@ -380,6 +387,46 @@ def _renormalized(rows: torch.Tensor) -> torch.Tensor:
     return torch.where(total > float("-inf"), rows - total, rows)
 
 
+class _ConstrainedLevels:
+    """The prefixes of a constrained DDTree so far, as the forest the constraint reads:
+    column 0 the root, then each level's entries in order (``_best_prefixes``)."""
+
+    def __init__(self, constraint: ChildConstraint, root_tokens: torch.Tensor,
+                 pool_ids: torch.Tensor, budget: int):
+        self.constraint, self.pool_ids, self.budget = constraint, pool_ids, budget
+        self.tokens = root_tokens[:, None]
+        self.parents = torch.full_like(self.tokens, -1)
+        self.last = torch.zeros_like(self.tokens)  # columns of the last level's entries
+
+    def level(self, d: int, prev: torch.Tensor, scores: list, sorted_logp, order, ranks: int):
+        """[R, w, ranks] log-probs of the best ``ranks`` allowed candidates below each of
+        the w previous-level entries (-inf past them), and their ranks in the sorted row."""
+        R, w = prev.shape
+        alive = prev > float("-inf")
+        if scores:  # below the budget-th best prefix so far: no member, nor below it
+            seen = torch.cat(scores, 1)
+            kth = seen.topk(min(self.budget, seen.shape[1]), dim=1).values[:, -1:]
+            alive &= prev >= kth
+        ids = self.pool_ids[:, d].gather(1, order[:, d])  # the sorted row's tokens
+        masked = _constrained_rows(self.constraint, self.tokens, self.parents,
+                                   torch.where(alive, self.last, -1),
+                                   ids[:, None].expand(R, w, -1),
+                                   sorted_logp[:, d, None].expand(R, w, -1))
+        masked = masked.masked_fill(~alive[..., None], float("-inf"))
+        # The row is sorted: a stable sort moves the allowed candidates first, in order.
+        values, rank = torch.sort(masked, dim=-1, descending=True, stable=True)
+        return values[..., :ranks], rank[..., :ranks]
+
+    def add_level(self, d: int, parents: torch.Tensor, ranks: torch.Tensor, order) -> None:
+        """Append level d's entries: ``parents`` their parents' flat indices among the
+        earlier entries (-1 = the root), ``ranks`` their tokens' ranks in the sorted row."""
+        width = self.tokens.shape[1]
+        ids = self.pool_ids[:, d].gather(1, order[:, d].gather(1, ranks))
+        self.tokens = torch.cat([self.tokens, ids], 1)
+        self.parents = torch.cat([self.parents, torch.where(parents >= 0, parents + 1, 0)], 1)
+        self.last = width + torch.arange(ranks.shape[1], device=ranks.device).expand_as(ranks)
+
+
 class _Prefixes(NamedTuple):
     """The top-``budget`` prefixes in best-first order, [R, budget] each."""
 
@@ -391,8 +438,13 @@ class _Prefixes(NamedTuple):
     logq: torch.Tensor  # float32 log-prob of the token at its depth
 
 
-def _best_prefixes(logp: torch.Tensor, budget: int) -> _Prefixes:
-    """Top-``budget`` prefixes of [R, D, P] per-depth log-probs, level by level."""
+def _best_prefixes(logp: torch.Tensor, budget: int,
+                   constrained: _ConstrainedLevels | None = None) -> _Prefixes:
+    """Top-``budget`` prefixes of [R, D, P] per-depth log-probs, level by level.
+
+    ``constrained``: only prefixes whose every token its constraint allows below the
+    prefix before it (each level's entries are expanded with the constraint's mask;
+    those that cannot be among the top ``budget`` any more are not asked about)."""
     R, D, P = logp.shape
     device = logp.device
     sorted_logp, order = torch.sort(logp, dim=-1, descending=True, stable=True)
@@ -401,7 +453,12 @@ def _best_prefixes(logp: torch.Tensor, budget: int) -> _Prefixes:
     prev = torch.zeros(R, 1, device=device)
     offset = 0
     for d in range(D):
-        cand = (prev[:, :, None] + sorted_logp[:, d, None, :ranks]).reshape(R, -1)
+        if constrained is None:
+            row_logp = sorted_logp[:, d, None, :ranks]
+            row_rank = torch.arange(ranks, device=device).expand(R, prev.shape[1], -1)
+        else:
+            row_logp, row_rank = constrained.level(d, prev, scores, sorted_logp, order, ranks)
+        cand = (prev[:, :, None] + row_logp).reshape(R, -1)
         score, idx = torch.sort(cand, dim=-1, descending=True, stable=True)
         keep = min(budget, cand.shape[1])
         score, idx = score[:, :keep], idx[:, :keep]
@@ -409,8 +466,10 @@ def _best_prefixes(logp: torch.Tensor, budget: int) -> _Prefixes:
         # Flat index of the parent among all levels; -1 = the root.
         parents.append(parent_pos + offset - prev.shape[1] if d > 0 else torch.full_like(idx, -1))
         scores.append(score)
-        token_ranks.append(idx % ranks)
+        token_ranks.append(row_rank.reshape(R, -1).gather(1, idx))
         levels.append(torch.full((keep,), d, dtype=torch.int64, device=device))
+        if constrained is not None:
+            constrained.add_level(d, parents[-1], token_ranks[-1], order)
         offset += keep
         prev = score
     score, pick = torch.sort(torch.cat(scores, 1), dim=-1, descending=True, stable=True)

@@ -24,10 +24,6 @@ from vllm_tfm.drafting.builders import (
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import DEFAULT_FANOUT, SAMPLED_TREE_KINDS, TREE_KINDS
 
-# Tree kinds whose builders take a child constraint (DDTree ranks path-independent
-# marginals level by level; its nodes are masked when verified only).
-CONSTRAINED_TREE_KINDS = ("weaver", "chain")
-
 if TYPE_CHECKING:
     from vllm_tfm.drafting.weaver import Weaver
 
@@ -101,25 +97,22 @@ def draft_trees(
             Weaver's q, "ddtree" from the marginals (``fanout`` and
             ``expand_width`` do not apply); "chain" has no sampled form.
         constraint: the tokens each expanded node's children may take (a grammar;
-            see ``builders.ChildConstraint``), for the trees in
-            ``CONSTRAINED_TREE_KINDS``. It reads the host, so a constrained round
-            runs eagerly (``DraftRound`` takes none).
+            see ``builders.ChildConstraint``). It reads the host, so a constrained
+            round runs eagerly (``DraftRound`` takes none).
     """
     ids, scores = pools
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
         raise ValueError(f"sampled trees exist for tree in {list(SAMPLED_TREE_KINDS)}, "
-                         f"got {tree!r}")
-    if constraint is not None and tree not in CONSTRAINED_TREE_KINDS:
-        raise ValueError(f"constraint applies to tree in {list(CONSTRAINED_TREE_KINDS)}, "
                          f"got {tree!r}")
     if tree == "chain":
         return build_chain(root_tokens, ids, scores, budget, validate=validate,
                            constraint=constraint)
     if tree == "ddtree" and sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds,
-                                  validate=validate)
+                                  validate=validate, constraint=constraint)
     if tree == "ddtree":
-        return build_ddtree(root_tokens, ids, scores, budget, validate=validate)
+        return build_ddtree(root_tokens, ids, scores, budget, validate=validate,
+                            constraint=constraint)
     if tree != "weaver":
         raise ValueError(f"tree must be one of {list(TREE_KINDS)}, got {tree!r}")
     if weaver is None or h_v is None or dflash_hidden is None:

@@ -31,7 +31,6 @@ from vllm.distributed import get_tp_group
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_tfm.drafting.draft_round import (
-    CONSTRAINED_TREE_KINDS,
     CandidatePools,
     candidate_pools,
     draft_depth,
@@ -245,9 +244,8 @@ class TreeProposer(DFlashProposer):
 
     def _grammar_constraint(self, batch: int):
         """The grammars of the batch's structured requests, for the builders to draft
-        only what they allow; None when no request is structured (or the tree kind
-        takes no constraint: its nodes are masked when verified only)."""
-        if self.options.tree not in CONSTRAINED_TREE_KINDS or self._step_tokens is None:
+        only what they allow; None when no request is structured."""
+        if self._step_tokens is None:
             return None
         if self._grammars is None:
             from vllm_tfm.vllm_glue.grammar import DraftGrammars
