@@ -21,6 +21,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from test_engine import assert_lossless, tfm_config  # noqa: E402
 
+from vllm_tfm.options import MAX_BATCH  # noqa: E402
 from vllm_tfm.tiny.engine_runs import (  # noqa: E402
     PROMPTS, cpu_engine, engine_counters, engine_greedy, greedy_outputs,
 )
@@ -88,7 +89,8 @@ def test_requests_left_out_of_a_step_drop_their_old_drafts(family, baseline, mon
     reserves 33 drafting slots): vLLM leaves the other running requests out, and they keep
     the drafts of an earlier step, whose trees the proposer no longer holds. They are
     scheduled without drafts instead (this crashed the engine with a KeyError; the tree
-    path's fallbacks would now void those trees and stop the requests drafting)."""
+    path's fallbacks would now void those trees and stop the requests drafting). The budget
+    is pinned at 33: the default rule would give four requests 16-node trees, which fit."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     schedule = Scheduler.schedule
@@ -102,7 +104,8 @@ def test_requests_left_out_of_a_step_drop_their_old_drafts(family, baseline, mon
         return output
 
     monkeypatch.setattr(Scheduler, "schedule", spy)
-    result = greedy_run(family.target, tfm_config(family, "ddtree", 33), PROMPTS[:4], 32,
+    result = greedy_run(family.target, tfm_config(family, "ddtree", 33, budget_by_batch=[[MAX_BATCH, 33]]),
+                        PROMPTS[:4], 32,
                         max_num_batched_tokens=150)
     assert starved, "no running request with drafts was left out of a step"
     assert result["num_drafts"] > 0
