@@ -104,8 +104,8 @@ def test_requests_left_out_of_a_step_drop_their_old_drafts(family, baseline, mon
         return output
 
     monkeypatch.setattr(Scheduler, "schedule", spy)
-    result = greedy_run(family.target, tfm_config(family, "ddtree", 33, budget_by_batch=[[MAX_BATCH, 33]]),
-                        PROMPTS[:4], 32,
+    fixed_budget = tfm_config(family, "ddtree", 33, budget_by_batch=[[MAX_BATCH, 33]])
+    result = greedy_run(family.target, fixed_budget, PROMPTS[:4], 32,
                         max_num_batched_tokens=150)
     assert starved, "no running request with drafts was left out of a step"
     assert result["num_drafts"] > 0
