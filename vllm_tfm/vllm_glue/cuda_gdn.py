@@ -23,7 +23,6 @@ import functools
 import torch
 
 from vllm_tfm.vllm_glue import tree_step
-from vllm_tfm.vllm_glue.config import TREE_MARKER
 from vllm_tfm.vllm_glue.gdn import tree_gdn_core
 
 
@@ -72,17 +71,9 @@ def wrap_gdn_forward_core(original):
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         step = tree_step.active()
-        metadata = _layer_metadata(self)
+        metadata = _layer_metadata(self) if step is not None else None
         if metadata is None or metadata.spec_sequence_masks is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
-        if step is None:
-            if not getattr(self.speculative_config, TREE_MARKER, False):
-                return original(self, mixed_qkv, b, a, core_attn_out)
-            # Spec rows without a tree step: a dummy run of a dflash_tfm engine (CUDA-graph
-            # capture, DP padding), whose graphs never replay over tree rows. vLLM's chain
-            # conv would roll 1 + num_spec columns through a width - 1 state, past its
-            # page at large budgets: nothing is computed.
-            return None
         if metadata.num_decodes > 0:
             raise RuntimeError(
                 "dflash_tfm: vLLM's GDN metadata mixes plain decodes with spec decodes "

@@ -48,15 +48,14 @@ class Patch:
         for part in path:
             owner = getattr(owner, part)
         current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        # A classmethod carries the mark on its function, where the bound method shows it.
-        if hasattr(getattr(current, "__func__", current), _MARK):
+        if hasattr(current, _MARK):
             return
         factory_module, factory_name = self.wrapper.split(":")
         factory: Callable[[Any], Any] = getattr(
             importlib.import_module(factory_module), factory_name
         )
         replacement = factory(current)
-        setattr(getattr(replacement, "__func__", replacement), _MARK, current)
+        setattr(replacement, _MARK, current)
         setattr(owner, name, replacement)
 
 
