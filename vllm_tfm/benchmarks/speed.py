@@ -501,8 +501,7 @@ def step_table(rows: list[dict]) -> str:
 def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: int) -> str:
     """Requests that fit ``memory_bytes`` at each context (MiB per request beside), GDN
     state blocks per request and per layer, and the state page (one layer's GDN state,
-    conv state included: vLLM sizes its conv window with num_speculative_tokens, a
-    dflash_tfm engine with plain decoding's width - 1 columns)."""
+    conv state included: vLLM sizes its conv window with num_speculative_tokens)."""
     lines = [f"| method ({memory_bytes / (1 << 30):.2f} GiB of KV / state) | "
              + " | ".join(f"requests at {c} (MiB each)" for c in contexts)
              + " | GDN state blocks per request and layer | state page MiB |",

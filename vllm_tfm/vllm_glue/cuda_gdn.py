@@ -6,11 +6,11 @@ tree step the spec rows go through :func:`.gdn.tree_gdn_core` instead, and
 prompt rows of the same batch through vLLM's own path, which is handed a copy
 of the layer's metadata with the spec part removed.
 
-Cache views (vLLM 0.32 and 0.33, mamba cache mode "none"):
-- conv state: [slots, dim, W - 1] (dim-first view), plain decoding's shape
-  (``gdn.wrap_gdn_state_shape``). vLLM's prefill kernel (``causal_conv1d_fn``)
-  leaves the committed inputs there, oldest to newest, and reads them back; the
-  tree conv reads and commits the same columns.
+Cache views (vLLM 0.32, mamba cache mode "none"):
+- conv state: logically [slots, dim, W - 1 + num_spec]. vLLM's prefill kernel
+  (``causal_conv1d_fn``) leaves the committed inputs in columns 0 .. W-2, oldest
+  to newest, and reads them back from there; the tree conv reads and commits
+  that same window (``[:, :, :W-1]``).
 - SSM state: [slots, HV, V, K]; the tree kernels take [slots, HV, K, V], so they
   get the transposed view of the same memory.
 """
@@ -33,13 +33,13 @@ def _layer_metadata(layer):
     return metadata.get(layer.prefix) if isinstance(metadata, dict) else None
 
 
-def _state_views(layer) -> tuple[torch.Tensor, torch.Tensor]:
-    """(conv [slots, C, W-1], ssm [slots, HV, K, V]) views."""
+def _state_views(layer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv [slots, C, W-1] committed window, ssm [slots, HV, K, V]) views."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     conv_cache, ssm_cache = layer.kv_cache[0], layer.kv_cache[1]
     conv_state = conv_cache if is_conv_state_dim_first() else conv_cache.transpose(-1, -2)
-    return conv_state, ssm_cache.transpose(-1, -2)
+    return conv_state[:, :, : width - 1], ssm_cache.transpose(-1, -2)
 
 
 def _forward_prompt_rows(original, layer, metadata, mixed_qkv, b, a, core_attn_out) -> None:
@@ -91,7 +91,7 @@ def wrap_gdn_forward_core(original):
             spec_b, spec_a = b.index_select(0, spec_rows), a.index_select(0, spec_rows)
         weight = self.conv1d.weight
         width = weight.shape[-1]
-        conv_state, ssm_state = _state_views(self)
+        conv_state, ssm_state = _state_views(self, width)
         out = tree_gdn_core(
             self, step, step.spec_nodes(metadata.spec_sequence_masks_cpu),
             spec_qkv, spec_b, spec_a,

@@ -4,10 +4,9 @@ vLLM's speculative GDN path writes one recurrent state per draft token and
 resumes from slot ``num_accepted - 1``. During a tree step we replace it: the
 conv taps follow parent pointers, the recurrence is the ancestor-masked chunk
 form, nothing is written; the commit after verification advances slot 0
-(the committed state) and the ``width - 1`` conv columns along the accepted
-path, and ``num_accepted_tokens`` is pinned to 1 so vLLM's own readers of those
-buffers agree. The conv state of a dflash_tfm engine is those ``width - 1``
-columns only, plain decoding's (``wrap_gdn_state_shape``).
+(the committed state) and the first ``width - 1`` conv columns along the
+accepted path, and ``num_accepted_tokens`` is pinned to 1 so vLLM's own
+readers of those buffers agree.
 """
 
 from __future__ import annotations
@@ -73,7 +72,8 @@ def wrap_cpu_spec_forward(original):
         return tree_gdn_core(
             layer, step, step.spec_nodes(attn_metadata_i.spec_sequence_masks_cpu),
             mixed_qkv_spec, b_spec, a_spec,
-            cpu_gdn._unpacked_conv_weight(layer), conv_buf, ssm_state, slots,
+            cpu_gdn._unpacked_conv_weight(layer), conv_buf[:, :, : width - 1],
+            ssm_state, slots,
         )
 
     return _spec_forward
