@@ -24,13 +24,14 @@ import torch
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from test_engine_tp import NEEDS_TWO_CORES  # noqa: E402
 from test_tree_builders import FakeSession, brute_weaver, check_invariants, make_pools  # noqa: E402
 from test_verifiers import (  # noqa: E402
     ContextLaw,
+    add_outcomes,
     assert_lossless,
     enumerate_plan,
     enumerate_target_only,
-    output_of,
     run_target_only_cases,
     check_replay,
     run_traversal_cases,
@@ -397,10 +398,7 @@ def test_tree_verifiers_sample_the_constrained_law(shape, kind, gen):
     # Target-only.
     cases = enumerate_target_only(tree, probs)
     check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c), cases)
-    outcomes = {}
-    for path, bonus, weight, _ in cases:
-        key = output_of(tree, path, bonus)
-        outcomes[key] = outcomes.get(key, 0.0) + weight
+    outcomes = add_outcomes({}, tree, cases)
     assert_lossless(constrained, prefix[-1], outcomes, horizon)
     # Traversal (deterministic tree: sibling orders sampled from q).
     outcomes = {}
@@ -408,9 +406,7 @@ def test_tree_verifiers_sample_the_constrained_law(shape, kind, gen):
         plan = traversal_plan(tree, probs, keys)
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
-        for path, bonus, weight, _, _ in cases:
-            key = output_of(tree, path, bonus)
-            outcomes[key] = outcomes.get(key, 0.0) + weight * order_weight
+        add_outcomes(outcomes, tree, cases, order_weight)
     assert_lossless(constrained, prefix[-1], outcomes, horizon)
     # Greedy: the constrained argmax path.
     greedy = verify_greedy(tree, probs)
@@ -698,7 +694,7 @@ def _streamed_text(url: str, body: dict) -> str:
 
 
 @pytest.mark.engine
-@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="tensor parallelism 2 needs 2 cores")
+@NEEDS_TWO_CORES
 def test_tensor_parallel_trees_reach_the_scheduler(monkeypatch):
     """TP = 2 (workers in their own processes): the first rank's trees travel to the
     scheduler on the pickled drafts, which masks every node by its path; its draft-time

@@ -180,6 +180,15 @@ def output_of(tree, path_nodes, bonus):
     return tuple(int(tree.tokens[0, i]) for i in path_nodes[1:]) + (bonus,)
 
 
+def add_outcomes(outcomes, tree, cases, scale=1.0):
+    """Add each enumerated case's weight (times ``scale``) to the law of its output
+    tokens; ``outcomes`` maps output tuples to probabilities."""
+    for path, bonus, weight, *_ in cases:
+        key = output_of(tree, path, bonus)
+        outcomes[key] = outcomes.get(key, 0.0) + weight * scale
+    return outcomes
+
+
 def check_replay(tree, probs, walk, cases):
     """Replay enumerated cases (expected path, bonus, uniforms) through a batched walk."""
     rows = len(cases)
@@ -241,10 +250,7 @@ def test_target_only_is_lossless(shape, kind, vocab, gen):
     probs = target_probs(tree, law)
     cases = enumerate_target_only(tree, probs)
     check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c), cases)
-    outcomes = {}
-    for path, bonus, weight, _ in cases:
-        key = output_of(tree, path, bonus)
-        outcomes[key] = outcomes.get(key, 0.0) + weight
+    outcomes = add_outcomes({}, tree, cases)
     root = int(tree.tokens[0, 0])
     assert_lossless(law, root, outcomes, max(depths_of(SHAPES[shape])) + 1)
 
@@ -353,8 +359,7 @@ def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind,
             ]
             # (Rounding leaves the residual law ~1e-17 on a rejected token.)
             assert bonus not in leaf_children or weight < 1e-12, (path, bonus, weight)
-            key = output_of(tree, path, bonus)
-            outcomes[key] = outcomes.get(key, 0.0) + weight * order_weight
+        add_outcomes(outcomes, tree, cases, order_weight)
     assert_lossless(law, int(tree.tokens[0, 0]), outcomes, max(depths_of(SHAPES[shape])) + 1)
 
 
@@ -460,9 +465,7 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
-        for path, bonus, weight, _, _ in cases:
-            key = output_of(tree, path, bonus)
-            outcomes[key] = outcomes.get(key, 0.0) + weight * tree_weight
+        add_outcomes(outcomes, tree, cases, tree_weight)
     assert abs(total - 1.0) < 1e-12
     assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)
 
@@ -524,10 +527,7 @@ def test_seeded_verifiers_match_their_law(verifier, gen):
         for keys, w in sibling_orders(tree):
             plan = traversal_plan(tree, probs, keys)
             cases += [(c[0], c[1], c[2] * w) for c in enumerate_plan(tree, probs, plan)]
-    exact = {}
-    for path, bonus, w in cases:
-        key = output_of(tree, path, bonus)
-        exact[key] = exact.get(key, 0.0) + w
+    exact = add_outcomes({}, tree, cases)
     assert_close_in_law(counts, exact, n)
 
 
@@ -756,7 +756,5 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
         plan = traversal_plan(tree, probs)
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
-        for path, bonus, weight, _, _ in cases:
-            key = output_of(tree, path, bonus)
-            outcomes[key] = outcomes.get(key, 0.0) + weight * tree_weight
+        add_outcomes(outcomes, tree, cases, tree_weight)
     assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
