@@ -23,17 +23,24 @@ def _dispatch(runner) -> bool:
     return received.get("force_eager", False)
 
 
+# A tree step no graph holds: its trees are not all of the captured size (see
+# tests/test_tree_graphs.py for the ones that replay graphs).
+PARTIAL_TREES = SimpleNamespace(has_trees=True, only_tree_rows=False, void=None)
+
+
 @pytest.mark.parametrize(
     "options, step, eager",
     [
-        (object(), SimpleNamespace(has_trees=True), True),  # a tree step: eager
+        (object(), PARTIAL_TREES, True),  # a tree step no graph holds: eager
         (object(), SimpleNamespace(has_trees=False), False),  # only roots: graphs allowed
         (object(), None, False),  # a step with no spec metadata (prompts)
-        (None, SimpleNamespace(has_trees=True), False),  # an engine not running dflash_tfm
+        (None, PARTIAL_TREES, False),  # an engine not running dflash_tfm
     ],
 )
-def test_only_tree_steps_are_forced_eager(options, step, eager):
-    runner = SimpleNamespace(_tfm_options=options, _tfm_step=step)
+def test_tree_steps_no_graph_holds_are_forced_eager(options, step, eager):
+    runner = SimpleNamespace(_tfm_options=options, _tfm_step=step,
+                             _tfm_graphs=SimpleNamespace(num_nodes=65, steps={}),
+                             parallel_config=SimpleNamespace(data_parallel_size=1))
     assert _dispatch(runner) is eager
 
 

@@ -56,9 +56,7 @@ def commit_step(runner, step) -> None:
     """Advance every request's caches along its accepted path, in place: a commit that
     raises part-way leaves the caches of `written_requests` unknown (they cannot be
     rolled back or committed twice)."""
-    from triton_ops.gdn_tree import gdn_tree_commit
     from triton_ops.tree_attention import tree_kv_commit
-    from triton_ops.tree_conv import tree_conv1d_commit
 
     leaf = step.accepted_leaf
     num_reqs = len(step.req_ids)
@@ -71,8 +69,17 @@ def commit_step(runner, step) -> None:
                 [keys for keys, _ in views], [values for _, values in views],
                 block_table.to(torch.int32), step.prefix_lens, step.meta, leaf,
             )
-    for record in step.gdn_records:
-        record_leaf = leaf.index_select(0, record.requests)
+    commit_gdn_records(step.gdn_records.values(), leaf)
+
+
+def commit_gdn_records(records, accepted_leaf: torch.Tensor) -> None:
+    """Advance each GDN layer's recurrent and conv state of its requests along their
+    accepted paths (``accepted_leaf`` [R], by the step's requests)."""
+    from triton_ops.gdn_tree import gdn_tree_commit
+    from triton_ops.tree_conv import tree_conv1d_commit
+
+    for record in records:
+        record_leaf = accepted_leaf.index_select(0, record.requests)
         gdn_tree_commit(record.ssm_state, record.slots, record.meta, record.verify_out,
                         record_leaf)
         tree_conv1d_commit(record.conv_state, record.slots, record.conv_inputs,
@@ -84,7 +91,7 @@ def written_requests(step) -> list[int]:
     (their K/V rows) and every request a GDN layer recorded (all decodes, drafts or
     not; prompt chunks wrote their state in the forward)."""
     written = set(step.tree_requests().tolist())
-    for record in step.gdn_records:
+    for record in step.gdn_records.values():
         written.update(record.requests.tolist())
     return sorted(written)
 

@@ -48,11 +48,9 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     beta = torch.sigmoid(nodes.to_nodes(b).float())
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True)
-    step.gdn_records.append(
-        GDNCommitRecord(
-            ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
-            meta=meta, verify_out=result, conv_inputs=x,
-        )
+    step.gdn_records[layer.prefix] = GDNCommitRecord(
+        ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
+        meta=meta, verify_out=result, conv_inputs=x,
     )
     return nodes.real_nodes(result.o)
 

@@ -106,8 +106,14 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         _RUNNER, "GPUModelRunner._determine_batch_execution_and_padding",
         f"{_GLUE}.runner:wrap_determine_batch_execution_and_padding",
-        "tree steps never replay CUDA graphs (captured without the tree kernels): "
-        "they run eagerly",
+        "a uniform batch of full trees replays the FULL graph of its size, its trees "
+        "copied into that graph's buffers first; any other tree step runs eagerly (graphs "
+        "captured without a tree step hold the chain kernels)",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner._warmup_and_capture", f"{_GLUE}.runner:wrap_warmup_and_capture",
+        "FULL graphs of uniform decodes are captured with a tree step of their size active, "
+        "so that they hold the tree kernels over fixed buffers (tree_graphs.py)",
     ),
     Patch(
         _RUNNER, "GPUModelRunner._sample", f"{_GLUE}.runner:wrap_sample",

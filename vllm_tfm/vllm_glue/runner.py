@@ -4,7 +4,9 @@ Every wrapper is a no-op unless the runner's VllmConfig runs dflash_tfm.
 The order within one engine step is:
 
     _prepare_inputs   -> TreeStep built, RoPE positions = prefix + depth, activated
-    _determine_batch_execution_and_padding -> a step with trees runs eagerly
+    _determine_batch_execution_and_padding -> a uniform batch of full trees replays
+                         vLLM's FULL graph of its size (captured with a tree step,
+                         tree_graphs.py); any other step with trees runs eagerly
     (target forward)  -> attention / GDN patches read the active TreeStep
     _sample           -> tree verifier: accepted path + bonus per request
     _update_states... -> commit the accepted path (KV, GDN, conv); deactivate
@@ -38,11 +40,13 @@ import functools
 import numpy as np
 import torch
 from vllm.distributed import get_tp_group
+from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.grammar import attach_tree_parents
+from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, graphable
 from vllm_tfm.vllm_glue.tree_step import TreeStep, install_step_slot, request_nodes
 
 logger = init_logger(__name__)
@@ -76,6 +80,8 @@ def wrap_init(original):
         # forward that raised leaves its step in this slot only.
         self._tfm_slot = install_step_slot(vllm_config.compilation_config.static_forward_context)
         self._tfm_undrafted: set[str] = set()  # requests that lost a tree: no more drafts
+        self._tfm_graphs = GraphedTreeSteps(1 + self.num_spec_tokens, _conv_width(self),
+                                            self.device)
         self._tfm_failed: set[str] = set()  # for the scheduler to finish with an error
 
     return __init__
@@ -194,15 +200,43 @@ def wrap_determine_batch_execution_and_padding(original):
     @functools.wraps(original)
     def _determine_batch_execution_and_padding(self, *args, **kwargs):
         step = getattr(self, "_tfm_step", None)
-        if _enabled(self) and step is not None and step.has_trees:
-            # vLLM captured its CUDA graphs in dummy runs with no tree step
-            # active: replaying one over tree rows would run the chain kernels
-            # instead of the tree wrappers (silently wrong). Tree steps run
-            # eagerly; steps without drafts still replay graphs.
-            kwargs["force_eager"] = True
+        if not _enabled(self) or step is None or not step.has_trees:
+            return original(self, *args, **kwargs)
+        graphs = self._tfm_graphs
+        # Data parallelism agrees on a graph mode across ranks: a second call would
+        # repeat that exchange, so there every tree step runs eagerly.
+        if graphable(step, graphs.num_nodes) and self.parallel_config.data_parallel_size == 1:
+            result = original(self, *args, **kwargs)
+            mode, batch = result[0], result[1]
+            num_reqs = batch.num_reqs or batch.num_tokens // graphs.num_nodes
+            if mode == CUDAGraphMode.FULL and num_reqs in graphs.steps:
+                graphs.bind(step, num_reqs)
+                return result
+        # Graphs other than the FULL decode graphs captured with a tree step would run
+        # the chain kernels over the tree's rows (silently wrong): eager.
+        kwargs["force_eager"] = True
         return original(self, *args, **kwargs)
 
     return _determine_batch_execution_and_padding
+
+
+def wrap_warmup_and_capture(original):
+    """vLLM's warm-up and capture of one graph; a FULL graph of uniform decodes is
+    captured with a tree step of its size active, so that it holds the tree path."""
+
+    @functools.wraps(original)
+    def _warmup_and_capture(self, desc, cudagraph_runtime_mode, *args, **kwargs):
+        if not (_enabled(self) and desc.uniform and cudagraph_runtime_mode == CUDAGraphMode.FULL):
+            return original(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        held, self._tfm_step = self._tfm_step, None
+        self._tfm_slot.step = self._tfm_graphs.for_capture(desc.num_tokens)
+        try:
+            return original(self, desc, cudagraph_runtime_mode, *args, **kwargs)
+        finally:
+            self._tfm_slot.step = None
+            self._tfm_step = held
+
+    return _warmup_and_capture
 
 
 def wrap_sample(original):

@@ -93,6 +93,20 @@ class GDNCommitRecord:
     verify_out: Any  # gdn_tree_verify's output (carries what commit needs)
     conv_inputs: torch.Tensor  # [R', N, C] pre-conv node inputs
 
+    def first_requests(self, count: int, meta: TreeMetadata,
+                       requests: torch.Tensor) -> GDNCommitRecord:
+        """The record of this layer's first ``count`` requests, which are the step's
+        requests ``requests`` with metadata ``meta`` (a graph's record, cut to the
+        requests of the step that replayed it: views, rewritten by each replay)."""
+        out = self.verify_out
+        return GDNCommitRecord(
+            ssm_state=self.ssm_state, conv_state=self.conv_state, slots=self.slots[:count],
+            requests=requests, meta=meta,
+            verify_out=type(out)(**{field.name: getattr(out, field.name)[:count]
+                                    for field in dataclasses.fields(out)}),
+            conv_inputs=self.conv_inputs[:count],
+        )
+
 
 @dataclasses.dataclass
 class TreeStep:
@@ -118,7 +132,9 @@ class TreeStep:
     # decode without drafts (a tree of one node, which tree attention leaves to vLLM).
     only_tree_rows: bool = False
     num_nodes_host: np.ndarray | None = None  # [R] int64, the host's copy of meta.num_nodes
-    gdn_records: list[GDNCommitRecord] = dataclasses.field(default_factory=list)
+    # By GDN layer name: a forward run again over the same step (vLLM's warm-up runs
+    # before a graph capture) replaces its layers' records.
+    gdn_records: dict[str, GDNCommitRecord] = dataclasses.field(default_factory=dict)
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
     # [R] bool, requests whose tree was lost after vLLM scheduled its drafts (see
     # runner._build_step): their nodes are scored as a chain, which keeps every layer's
@@ -143,6 +159,11 @@ class TreeStep:
             nodes = request_nodes(self.meta, self.prefix_lens, requests, first_rows, counts)
             self._spec_nodes[key] = nodes
         return nodes
+
+    def prime_spec_nodes(self, spec_mask: np.ndarray, nodes: RequestNodes) -> None:
+        """Give ``spec_nodes`` its answer for ``spec_mask`` in advance (a step built
+        for a graph capture, during which nothing may be copied to the device)."""
+        self._spec_nodes[spec_mask.tobytes()] = nodes
 
     def tree_requests(self) -> torch.Tensor:
         """Indices of the requests whose tree has more than the root."""
