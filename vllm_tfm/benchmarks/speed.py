@@ -161,10 +161,11 @@ def speculative_config(method: str, models: dict, max_budget: int) -> dict | Non
             "num_speculative_tokens": max_budget}
 
 
-def engine_kwargs(shapes: Shapes, runner: str) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str, query_len: int = 1 + DFLASH_DRAFT_DEPTH) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
-    graphs (tools/gpu_e2e.py), on CPU the tests' CPU settings; one engine for the largest
-    batch and the longest context."""
+    graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of
+    ``query_len`` tokens per request (1 + the engine's num_speculative_tokens), on CPU the
+    tests' CPU settings; one engine for the largest batch and the longest context."""
     max_model_len = max(shapes.contexts) + 1024
     common = dict(max_model_len=max_model_len,
                   max_num_seqs=max(shapes.batches + (shapes.long_batches or ())),
@@ -179,7 +180,7 @@ def engine_kwargs(shapes: Shapes, runner: str) -> dict:
     graphs = CUDA_GRAPH_SETTINGS["full-decode"]
     compilation = {**graphs["compilation_config"],
                    "cudagraph_capture_sizes": sorted({b * m for b in shapes.batches
-                                                      for m in (1, 1 + DFLASH_DRAFT_DEPTH)})}
+                                                      for m in (1, query_len)})}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
             "load_format": "dummy", "max_num_batched_tokens": 8192,
             "gpu_memory_utilization": 0.95}
@@ -329,10 +330,28 @@ def measure_cell(session: Session, steps: int) -> dict:
     return cell
 
 
+def engine_budgets(settings, budgets: tuple[int, ...]) -> list[tuple[int, list]]:
+    """dflash_tfm's engines: (num_speculative_tokens, the settings it measures), one per
+    budget, since vLLM replays its FULL graphs only for trees of num_speculative_tokens
+    drafts. The engine of the largest budget also measures the budget rule (whose smaller
+    trees run eagerly there); the order is the settings' (the issue's targets first)."""
+    largest = max(budgets)
+    by_budget: dict[int, list] = {}
+    for tree, budget in settings:
+        by_budget.setdefault(largest if budget is None else budget, []).append((tree, budget))
+    return list(by_budget.items())
+
+
+def engine_label(result: dict) -> str:
+    budget = result.get("engine_budget")
+    return result["method"] if budget is None else f"{result['method']} (k = {budget})"
+
+
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
-               deadline: float, log) -> dict:
-    """One engine for ``method``: every context, batch (smallest first) and, for
-    dflash_tfm, every (tree, budget) setting; the engine's memory capacity."""
+               deadline: float, log, budget: int | None = None) -> dict:
+    """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``):
+    every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
+    setting; the engine's memory capacity."""
     import torch
     from vllm import LLM
 
@@ -342,13 +361,16 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     # result names the runner class it got.
     select_runner(runner)
     started = time.perf_counter()
-    max_budget = max(shapes.budgets)
+    max_budget = budget or DFLASH_DRAFT_DEPTH
+    query_len = {PLAIN: 1, VLLM_DFLASH: 1 + DFLASH_DRAFT_DEPTH}.get(method, 1 + max_budget)
     llm = LLM(model=models["target"],
               speculative_config=speculative_config(method, models, max_budget),
-              **engine_kwargs(shapes, runner))
-    result = {"method": method, "start_s": time.perf_counter() - started, "cells": [],
+              **engine_kwargs(shapes, runner, query_len))
+    result = {"method": method, "engine_budget": budget,
+              "start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
-    log(f"{method}: engine up in {result['start_s']:.0f} s; memory {result['memory']}")
+    log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
+        f"memory {result['memory']}")
     result["runner_class"] = llm.collective_rpc(_runner_class)[0]
     llm.collective_rpc(_install_timer, args=(runner,))
     session = Session(llm, models["vocab_size"])
@@ -516,7 +538,7 @@ def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: i
             fits = memory["concurrency"].get(str(context))
             cells.append("-" if fits is None else
                          f"{fits:.1f} ({memory_bytes / fits / (1 << 20):.0f})")
-        lines.append(f"| {result['method']} | " + " | ".join(cells)
+        lines.append(f"| {engine_label(result)} | " + " | ".join(cells)
                      + f" | {per_request} | {page} |")
     return "\n".join(lines)
 
@@ -562,17 +584,19 @@ def merge_reports(paths: list[Path], out: Path) -> str:
     """One report from several runs' bench_speed.json (e.g. device calls that measured
     different methods): each method's result from the last file that measured it."""
     saved = [json.loads(Path(path).read_text()) for path in paths]
-    by_method: dict[str, dict] = {}
+    by_engine: dict[str, dict] = {}
     for run_data in saved:
         for result in run_data["results"]:
             if result.get("memory"):
-                by_method[result["method"]] = result
+                by_engine[engine_label(result)] = result
     shapes = Shapes(**{k: tuple(v) if isinstance(v, list) else v
                        for k, v in saved[-1]["shapes"].items()})
     contexts = sorted({c for run_data in saved for c in run_data["shapes"]["contexts"]})
     shapes = dataclasses.replace(shapes, contexts=tuple(contexts))
     header = "\n".join(f"- {run_data['header']}" for run_data in saved)
-    results = [by_method[m] for m in (PLAIN, VLLM_DFLASH, TFM) if m in by_method]
+    order = (PLAIN, VLLM_DFLASH, TFM)
+    results = sorted(by_engine.values(), key=lambda r: (order.index(r["method"]),
+                                                        r.get("engine_budget") or 0))
     return report(results, shapes, "Merged runs:\n" + header, out)
 
 
@@ -592,7 +616,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     graphs = ("eager" if shapes.name == "tiny"
-              else "mode 0 + FULL_DECODE_ONLY graphs (tree steps eager)")
+              else "mode 0 + FULL_DECODE_ONLY graphs (tree steps of full trees graphed, "
+                   "one dflash_tfm engine per budget; the rule's smaller trees eager)")
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, model runner {runner}, {graphs}; "
@@ -601,23 +626,27 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
 
-    settings = tfm_settings(trees, shapes.budgets)
+    engines = [(method, None, None) for method in methods if method != TFM]
+    if TFM in methods:
+        engines += [(TFM, budget, settings) for budget, settings
+                    in engine_budgets(tfm_settings(trees, shapes.budgets), shapes.budgets)]
     results: list[dict] = []
     text = ""
-    for method in methods:
+    for method, budget, settings in engines:
         if time.perf_counter() - started > deadline_s:
-            results.append({"method": method, "skipped": "deadline", "cells": [],
-                            "memory": None})
+            results.append({"method": method, "engine_budget": budget, "skipped": "deadline",
+                            "cells": [], "memory": None})
             continue
         try:
             results.append(run_method(method, models, shapes, runner, settings,
-                                      started + deadline_s, log))
-        except Exception as error:  # keep the other methods' numbers
+                                      started + deadline_s, log, budget))
+        except Exception as error:  # keep the other engines' numbers
             import traceback
 
             traceback.print_exc()
-            results.append({"method": method, "error": f"{type(error).__name__}: {error}",
-                            "cells": [], "memory": None})
+            results.append({"method": method, "engine_budget": budget,
+                            "error": f"{type(error).__name__}: {error}", "cells": [],
+                            "memory": None})
         text = report([r for r in results if r["memory"]], shapes, header, out)
-    failed = [f"{r['method']}: {r['error']}" for r in results if "error" in r]
+    failed = [f"{engine_label(r)}: {r['error']}" for r in results if "error" in r]
     return text + ("\n\nFAILED: " + "; ".join(failed) if failed else "")
