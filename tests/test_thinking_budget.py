@@ -307,3 +307,55 @@ def test_greedy_with_thinking_budgets_equals_no_speculation(trained, no_speculat
     assert seen["fallbacks"] == 0, "a tree step fell back to sampling its roots"
     assert seen["forced_rows"] > 0 and drafts > 0 and accepted > 0, (dict(seen), drafts,
                                                                       accepted)
+
+
+def sampled_categories(llm, count: int, end: list[int]) -> list[tuple]:
+    """``count`` seeded T = 1 samples of THINKING, every third without a budget: per
+    budgeted sample, where the end string starts and the token drawn after it (from the
+    target at a node below the forced ones); per other sample its first two tokens."""
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, seed=500 + i, max_tokens=14,
+                             thinking_token_budget=None if i % 3 == 0 else 2)
+              for i in range(count)]
+    outputs = llm.generate([THINKING] * count, params, use_tqdm=False)
+    categories = []
+    for i, output in enumerate(outputs):
+        tokens = list(output.outputs[0].token_ids)
+        if i % 3 == 0:
+            categories.append(("free", *tokens[:2]))
+            continue
+        at = end_position(tokens, end)
+        after = tokens[at + len(end)] if at is not None and at + len(end) < len(tokens) else None
+        categories.append(("budget", at, after))
+    return categories
+
+
+@pytest.mark.engine
+def test_sampling_with_thinking_budgets_follows_no_speculation(trained, end_ids, monkeypatch):
+    """T = 1 (sampled Weaver trees, traversal): budgeted and unbudgeted requests in one
+    batch follow decoding without speculation (chi-square); every budgeted sample has its
+    end string, forced inside trees; seeded requests reproduce."""
+    from test_engine import _chi_square_p_value
+
+    from vllm_tfm.tiny.engine_runs import cpu_engine
+
+    count = 240
+    llm = cpu_engine(trained.target, None, max_num_seqs=64, reasoning_config=ENGINE_REASONING)
+    reference = sampled_categories(llm, count, end_ids)
+    del llm
+    gc.collect()
+    seen = Counter()
+    count_forcing(monkeypatch, seen)
+    llm = cpu_engine(trained.target, tfm_config(trained), max_num_seqs=64,
+                     reasoning_config=ENGINE_REASONING)
+    speculative = sampled_categories(llm, count, end_ids)
+    again = sampled_categories(llm, count // 4, end_ids)
+    del llm
+    gc.collect()
+    for categories in (reference, speculative):
+        assert not any(key[0] == "budget" and key[1] is None for key in categories), categories
+    assert seen["forced_rows"] > 0 and seen["fallbacks"] == 0, dict(seen)
+    assert again == speculative[: count // 4], "seeded sampling must be reproducible"
+    reference, speculative = Counter(reference), Counter(speculative)
+    assert _chi_square_p_value(reference, speculative) > 1e-3, (reference, speculative)
