@@ -33,7 +33,8 @@ UNSUPPORTED_PARALLELISM = {
 }
 # Set to True on the SpeculativeConfig of an engine running dflash_tfm (vLLM only knows
 # it as "dflash"). An instance attribute: it travels with the config wherever vLLM
-# pickles or copies it, and nothing else (None, another engine's config, a new object at a reused id) carries it.
+# pickles or copies it, and nothing else (None, another engine's config, a new object
+# at a reused id) carries it.
 TREE_MARKER = "_vllm_tfm_tree"
 
 
