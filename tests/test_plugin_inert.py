@@ -136,16 +136,7 @@ def registered():
     register()
 
 
-# --- Request validation: what dflash_tfm refuses, only dflash_tfm engines refuse --------
-
-def _requests_dflash_tfm_refuses():
-    from vllm import SamplingParams
-
-    # Structured outputs run under dflash_tfm (per tree node); their patches (the
-    # scheduler's draft record, validate_tokens, grammar_bitmask) act only on drafts a
-    # dflash_tfm runner sent with their trees: the structured batches below prove it.
-    return {"thinking_token_budget": SamplingParams(thinking_token_budget=8)}
-
+# --- The marker: only dflash_tfm engines run trees -----------------------------------
 
 def _engine_config(speculative_config):
     from vllm.engine.arg_utils import EngineArgs
@@ -155,26 +146,19 @@ def _engine_config(speculative_config):
                       **CPU_ENGINE_KWARGS).create_engine_config()
 
 
-def test_other_engines_accept_what_dflash_tfm_refuses(registered):
-    dflash = _engine_config(dflash_speculative_config(trained_family().dflash))
-    for params in _requests_dflash_tfm_refuses().values():
-        params._validate_spec_decode(None)  # no speculation
-        params._validate_spec_decode(dflash.speculative_config)
-
-
-def test_dflash_tfm_engines_refuse_it_in_every_copy_of_their_config(registered):
+def test_only_dflash_tfm_configs_run_trees_in_every_copy(registered):
     """The marker is the config's own attribute: a pickled copy (what another vLLM process
-    receives) or a deep copy refuses too, while a plain dflash config never does."""
-    from vllm.exceptions import VLLMValidationError
+    receives) or a deep copy runs trees too, while a plain dflash config never does."""
+    from vllm_tfm.vllm_glue.config import tfm_options
 
     family = trained_family()
+    assert tfm_options(_engine_config(dflash_speculative_config(family.dflash))) is None
     config = _engine_config({"method": "dflash_tfm", "model": str(family.dflash),
                              "num_speculative_tokens": 7, "tree": "chain"})
     assert config.speculative_config.method == "dflash"
     for copied in (config, pickle.loads(pickle.dumps(config)), copy.deepcopy(config)):
-        for name, params in _requests_dflash_tfm_refuses().items():
-            with pytest.raises(VLLMValidationError, match=f"{name} is not supported"):
-                params._validate_spec_decode(copied.speculative_config)
+        options = tfm_options(copied)
+        assert options is not None and options.tree == "chain" and options.budget == 7
 
 
 # --- The expand_kernel fix, the one patch that reaches every CPU engine ---------------

@@ -318,7 +318,7 @@ def engine_batches(runs: list[dict]) -> dict:
     """
     import gc
 
-    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
 
     from vllm_tfm.vllm_glue.patches import _MARK
 
@@ -336,7 +336,7 @@ def engine_batches(runs: list[dict]) -> dict:
         result["runs"].append(repeats)
         del llm  # before the next engine starts: its teardown resets global state
         gc.collect()
-    result["patched"] = hasattr(SamplingParams._validate_spec_decode, _MARK)
+    result["patched"] = hasattr(EngineArgs.create_engine_config, _MARK)
     return result
 
 

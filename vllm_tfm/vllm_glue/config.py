@@ -23,10 +23,6 @@ from vllm_tfm.options import (
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 # The one GPU attention backend whose forward the tree path wraps.
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
-# Request options whose handling in vLLM assumes one chain of drafts (thinking budgets:
-# the sampler's ThinkingBudgetStateHolder counts and forces end tokens along a chain).
-# Structured outputs are held per tree node (grammar.py).
-UNSUPPORTED_REQUEST_OPTIONS = ("thinking_token_budget",)
 # Parallelism the tree path does not handle yet, and what it would need.
 _WHOLE_KV_ROWS = "tree attention and the KV commit read and move whole KV rows, not split ones"
 UNSUPPORTED_PARALLELISM = {
@@ -36,9 +32,9 @@ UNSUPPORTED_PARALLELISM = {
     "prefill_context_parallel_size": _WHOLE_KV_ROWS,
 }
 # Set to True on the SpeculativeConfig of an engine running dflash_tfm (vLLM only knows
-# it as "dflash"), the one object SamplingParams._validate_spec_decode receives. An
-# instance attribute: it travels with the config wherever vLLM pickles or copies it, and
-# nothing else (None, another engine's config, a new object at a reused id) carries it.
+# it as "dflash"). An instance attribute: it travels with the config wherever vLLM
+# pickles or copies it, and nothing else (None, another engine's config, a new object
+# at a reused id) carries it.
 TREE_MARKER = "_vllm_tfm_tree"
 
 
@@ -100,25 +96,6 @@ def wrap_create_engine_config(original):
         return config
 
     return create_engine_config
-
-
-def wrap_validate_spec_decode(original):
-    @functools.wraps(original)
-    def _validate_spec_decode(self, speculative_config):
-        original(self, speculative_config)
-        if not getattr(speculative_config, TREE_MARKER, False):
-            return
-        from vllm.exceptions import VLLMValidationError
-
-        for name in UNSUPPORTED_REQUEST_OPTIONS:
-            if getattr(self, name, None) is not None:
-                raise VLLMValidationError(
-                    f"{name} is not supported with speculative method '{METHOD}' yet "
-                    "(vLLM forces its end tokens along one chain of drafts, not a tree)",
-                    parameter=name,
-                )
-
-    return _validate_spec_decode
 
 
 def _check_engine_args(engine_args) -> None:

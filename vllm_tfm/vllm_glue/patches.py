@@ -71,12 +71,6 @@ PATCHES: tuple[Patch, ...] = (
         "and run it as a dflash drafter whose budget is num_speculative_tokens",
     ),
     Patch(
-        "vllm.sampling_params", "SamplingParams._validate_spec_decode",
-        f"{_GLUE}.config:wrap_validate_spec_decode",
-        "refuse, per request, thinking budgets under dflash_tfm: vLLM's thinking-budget "
-        "state forces end tokens along one chain of drafts, not a tree",
-    ),
-    Patch(
         "vllm.v1.core.sched.scheduler", "Scheduler.update_draft_token_ids",
         f"{_GLUE}.grammar:wrap_update_draft_token_ids",
         "structured outputs: keep each structured request's drafted tree (the parents the "
@@ -98,6 +92,12 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         _RUNNER, "GPUModelRunner.__init__", f"{_GLUE}.runner:wrap_init",
         "swap the DFlash proposer for the tree proposer when dflash_tfm is on",
+    ),
+    Patch(
+        _RUNNER, "GPUModelRunner._update_states", f"{_GLUE}.thinking:wrap_update_states",
+        "thinking budgets: the input batch's ThinkingBudgetStateHolder (which forces end "
+        "tokens along one chain of drafts) becomes a TreeThinkingBudgets, which steps vLLM's "
+        "own state machine per tree node, before the batch's first request",
     ),
     Patch(
         _RUNNER, "GPUModelRunner._prepare_inputs", f"{_GLUE}.runner:wrap_prepare_inputs",
@@ -275,6 +275,9 @@ VLLM_OBJECT_WRITES: tuple[Write, ...] = (
     Write("ModelRunnerOutput (a copy)", "runner.FAILED_REQUESTS",
           f"{_GLUE}.runner:wrap_sample_tokens",
           "the requests a failed commit left unknown, for the scheduler to finish"),
+    Write("InputBatch (V1)", "thinking_budget_state_holder, sampling_metadata."
+          "thinking_budget_state_holder", f"{_GLUE}.thinking:install",
+          "a dflash_tfm batch's thinking budgets are forced per tree node"),
     Write("DraftTokenIds", "grammar.DRAFT_PARENTS", f"{_GLUE}.grammar:attach_tree_parents",
           "each structured request's tree, for its grammar bitmask"),
     Write("Request", "grammar._REQUEST_TREE", f"{_GLUE}.grammar:wrap_update_draft_token_ids",

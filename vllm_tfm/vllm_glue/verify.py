@@ -24,6 +24,11 @@ Structured outputs: before this step vLLM's ``apply_grammar_bitmask`` has masked
 the logits row of every node of a structured request with the grammar state of
 that node's own path (``grammar.py`` fills the rows), so every verifier here
 accepts only grammar-allowed tokens and samples the constrained distribution.
+
+Thinking budgets: after the request-level processing, each node's row is forced
+the way plain decoding forces it after that node's path (``thinking.py``), before
+temperature, as vLLM's sampler forces after penalties; ``sample_roots`` goes
+through vLLM's sampler, whose holder forces the roots.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from vllm_tfm.drafting.verifiers import (
     verify_traversal,
 )
 from vllm_tfm.options import AUTO_SAMPLED_TREE_MIN_TEMPERATURE, SAMPLED_TREE_KINDS, TfmOptions
+from vllm_tfm.vllm_glue.thinking import tree_holder
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
 # Verifier of a sampled request whose tree is deterministic. Traversal has exactly
@@ -226,6 +232,9 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     raw = logits.float()
     node_logits = apply_request_processing(
         _node_logits(raw, spec_metadata, num_nodes, tree.tokens.shape[1]), tree, sampling)
+    budgets = tree_holder(sampling)
+    if budgets is not None:
+        node_logits = budgets.force_tree_rows(node_logits, tree)
     is_greedy = greedy_requests(sampling, num_reqs, raw.device)
     processed = node_logits
     if not sampling.all_greedy:
