@@ -272,7 +272,7 @@ def _tree_attention_split_kernel(
 def _tree_attention_merge_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, depths_ptr, words_ptr,
     part_o_ptr, part_lse_ptr, o_ptr,
-    Hkv, G, num_rows_max, block_size, num_splits, qk_scale, soft_cap, window,
+    Hkv, G, num_rows_max, block_size, qk_scale, soft_cap, window,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -283,10 +283,14 @@ def _tree_attention_merge_kernel(
     stride_lg, stride_ls,
     stride_yb, stride_yn, stride_yh, stride_yd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Attention of BLOCK_R rows of one KV head to their tree ancestors, merged
-    with the prefix partials into ``o``; rows of padded nodes get zeros."""
+    with the prefix partials into ``o``; rows of padded nodes get zeros.
+
+    The split loop is unrolled (``NUM_SPLITS`` is a compile-time constant) so that
+    the partials' loads are all in flight at once rather than one latency each."""
     pid_r = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     h = tl.program_id(1) % Hkv
@@ -355,7 +359,7 @@ def _tree_attention_merge_kernel(
     # Fold in the prefix partials: weights 2^(lse - m) against the running maximum.
     # A real node sees itself, so m_i is finite here for every row_ok row.
     m_i = tl.where(row_ok, m_i, 0.0)
-    for split in range(0, num_splits):
+    for split in tl.static_range(NUM_SPLITS):
         lse = tl.load(part_lse_ptr + group * stride_lg + split * stride_ls + rows,
                       mask=row_ok, other=float("-inf"))
         part = tl.load(
@@ -392,8 +396,10 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
     if q.element_size() > 2:
         height = 64  # a 128-row fp32 Q tile alone takes 128 KB at D = 256
     block_m, block_n, num_warps, num_stages, per_sm, slack = CUDA_TILES[height]
-    # The tiles are sized for 16-bit D = 256: keep the bytes of a K/V tile.
-    block_n = max(16, min(128, block_n * 512 // (dot_block(D) * q.element_size())))
+    # The tiles are sized for 16-bit D = 256: keep the bytes of a K/V tile (fp32
+    # multiplies on the FMA units, whose operands take registers: at most 32 keys).
+    widest = 128 if q.element_size() == 2 else 32
+    block_n = max(16, min(widest, block_n * 512 // (dot_block(D) * q.element_size())))
     programs_per_split = B * num_kv_heads * triton.cdiv(rows, block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     num_splits = split_count(programs_per_split, num_sms * per_sm)
@@ -585,9 +591,9 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
     _tree_attention_merge_kernel[(triton.cdiv(N * G, MERGE_ROWS), B * Hkv)](
         q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths, words,
         part_o, part_lse, out,
-        *common, N * G, key_cache.shape[1], S, qk_scale, soft_cap, window,
+        *common, N * G, key_cache.shape[1], qk_scale, soft_cap, window,
         *strides, *words.stride(), *partial_strides, *out.stride(),
-        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, **flags,
+        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, NUM_SPLITS=S, **flags,
         num_warps=4,
     )
     return split_kernel
