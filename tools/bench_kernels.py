@@ -789,7 +789,7 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list
 # tiles, and the textbook rescale every tile.
 ATTENTION_CANDIDATES = {
     128: [(128, 64, 8, 2, 1, 8.0), (128, 64, 8, 3, 1, 8.0), (128, 32, 8, 3, 1, 8.0), (128, 64, 8, 2, 1, -1.0)],
-    64: [(64, 32, 4, 3, 2, 8.0), (64, 32, 4, 2, 2, 8.0)],
+    64: [(64, 32, 4, 2, 2, 8.0), (64, 32, 4, 3, 2, 8.0)],
 }
 
 

@@ -71,7 +71,7 @@ MERGE_ROWS = 16
 # 64 rows: one warpgroup, 96 KB, two programs per SM (each K/V tile is then read by
 # twice as many programs: more L2 traffic). tools/bench_kernels.py --sweep times
 # the alternatives and overrides these for its tables.
-CUDA_TILES = {128: (128, 64, 8, 2, 1, RESCALE_SLACK), 64: (64, 32, 4, 3, 2, RESCALE_SLACK)}
+CUDA_TILES = {128: (128, 64, 8, 2, 1, RESCALE_SLACK), 64: (64, 32, 4, 2, 2, RESCALE_SLACK)}
 
 
 @dataclass(frozen=True)
@@ -109,30 +109,24 @@ def _raise_maximum(m_i, l_i, acc, m_tile, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _attend_prefix_tile(
-    q, m_i, l_i, acc, k_ptr, v_ptr, k_rows, v_rows, key_ok, visible, offs_d, stride_kd, stride_vd,
-    qk_scale, soft_cap,
+def _tile_logits(
+    q, k_ptr, k_rows, key_ok, visible, offs_d, stride_kd, qk_scale, soft_cap,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, SOFT_CAP: tl.constexpr,
-    RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over BLOCK_N keys, logits in log2 units.
+    """[BLOCK_M, BLOCK_N] logits of one key tile in log2 units, -inf where not visible.
 
-    ``m_i`` may lag the true row maximum by up to ``RESCALE_SLACK``: the sums use
-    it consistently, so the result is exact. Unmasked tiles (``MASKED`` false)
-    read every key and every row sees every key, so ``m_i`` is finite after the
-    first tile and needs no -inf guards. Without a soft cap ``qk_scale`` is
-    scale * log2(e); with one it is scale * 2 log2(e) / cap and ``soft_cap`` is
-    cap * log2(e), so that cap * tanh(x / cap) * log2(e) =
-    soft_cap * (1 - 2 / (exp2(q.k * qk_scale) + 1)).
+    Without a soft cap ``qk_scale`` is scale * log2(e); with one it is
+    scale * 2 log2(e) / cap and ``soft_cap`` is cap * log2(e), so that
+    cap * tanh(x / cap) * log2(e) = soft_cap * (1 - 2 / (exp2(q.k * qk_scale) + 1)).
+    Unmasked tiles (``MASKED`` false) read every key unconditionally.
     """
     k_ptrs = k_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
         if EVEN_D:
-            kv_mask = key_ok[:, None]
+            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
         else:
-            kv_mask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     elif EVEN_D:
         k = tl.load(k_ptrs)
     else:
@@ -144,6 +138,21 @@ def _attend_prefix_tile(
         logits = s * qk_scale
     if MASKED:
         logits = tl.where(visible, logits, float("-inf"))
+    return logits
+
+
+@triton.jit
+def _tile_accumulate(
+    logits, m_i, l_i, acc, v_ptr, v_rows, key_ok, offs_d, stride_vd,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold a tile's logits and values into (m, l, acc).
+
+    ``m_i`` may lag the true row maximum by up to ``RESCALE_SLACK``: the sums use
+    it consistently, so the result is exact. In unmasked tiles every row sees
+    every key, so ``m_i`` is finite after the first tile and needs no -inf guards.
+    """
     m_tile = tl.max(logits, 1)
     if RESCALE_SLACK < 0:
         m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
@@ -151,9 +160,13 @@ def _attend_prefix_tile(
     # (rows not past the slack keep a stale maximum, which is exact).
     elif tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
         m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
+    v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
         p = tl.exp2(logits - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
-        v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     else:
         p = tl.exp2(logits - m_i[:, None])
         if EVEN_D:
@@ -163,6 +176,14 @@ def _attend_prefix_tile(
     l_i = l_i + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_pages(table, pos, key_ok, block_size, stride_tk, MASKED: tl.constexpr):
+    """Cache blocks (int64) of logical positions ``pos`` through a request's block table."""
+    if MASKED:
+        return tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
+    return tl.load(table + (pos // block_size) * stride_tk).to(tl.int64)
 
 
 @triton.jit
@@ -235,30 +256,30 @@ def _tree_attention_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     for key_start in range(start, full_end, BLOCK_N):
         pos = key_start + offs_n
-        blk = tl.load(table + (pos // block_size) * stride_tk).to(tl.int64)
+        blk = _tile_pages(table, pos, pos < end, block_size, stride_tk, False)
         offset = pos % block_size
-        m_i, l_i, acc = _attend_prefix_tile(
-            q, m_i, l_i, acc, k_head, v_head,
-            blk * stride_kb + offset * stride_kt, blk * stride_vb + offset * stride_vt,
-            pos < end, pos < end, offs_d, stride_kd, stride_vd, qk_scale, soft_cap,
-            False, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION,
-        )
+        logits = _tile_logits(
+            q, k_head, blk * stride_kb + offset * stride_kt, pos < end, pos < end, offs_d, stride_kd,
+            qk_scale, soft_cap, False, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
+        m_i, l_i, acc = _tile_accumulate(
+            logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, pos < end, offs_d,
+            stride_vd, False, EVEN_D, HEAD_DIM, RESCALE_SLACK, DOT_PRECISION)
     # The partial last tile; with a sliding window every tile, since the window's
     # first keys are visible to shallow nodes only.
     for key_start in range(full_end, end, BLOCK_N):
         pos = key_start + offs_n
         key_ok = pos < end
-        blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
-        offset = pos % block_size
         visible = key_ok[None, :]
         if SLIDING:
             visible = visible & ((q_pos[:, None] - pos[None, :]) < window)
-        m_i, l_i, acc = _attend_prefix_tile(
-            q, m_i, l_i, acc, k_head, v_head,
-            blk * stride_kb + offset * stride_kt, blk * stride_vb + offset * stride_vt,
-            key_ok, visible, offs_d, stride_kd, stride_vd, qk_scale, soft_cap,
-            True, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION,
-        )
+        blk = _tile_pages(table, pos, key_ok, block_size, stride_tk, True)
+        offset = pos % block_size
+        logits = _tile_logits(
+            q, k_head, blk * stride_kb + offset * stride_kt, key_ok, visible, offs_d, stride_kd,
+            qk_scale, soft_cap, True, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
+        m_i, l_i, acc = _tile_accumulate(
+            logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, key_ok, offs_d,
+            stride_vd, True, EVEN_D, HEAD_DIM, RESCALE_SLACK, DOT_PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
