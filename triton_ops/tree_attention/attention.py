@@ -114,7 +114,9 @@ def _tile_logits(
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, SOFT_CAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """[BLOCK_M, BLOCK_N] logits of one key tile in log2 units, -inf where not visible.
+    """[BLOCK_M, BLOCK_N] logits of one key tile in log2 units, -inf where not visible;
+    unmasked tiles without a soft cap return the raw scores q.k, which
+    :func:`_tile_accumulate` scales inside the exponent's FMA.
 
     Without a soft cap ``qk_scale`` is scale * log2(e); with one it is
     scale * 2 log2(e) / cap and ``soft_cap`` is cap * log2(e), so that
@@ -133,18 +135,18 @@ def _tile_logits(
         k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFT_CAP:
-        logits = soft_cap - 2.0 * soft_cap / (tl.exp2(s * qk_scale) + 1.0)
-    else:
-        logits = s * qk_scale
+        s = soft_cap - 2.0 * soft_cap / (tl.exp2(s * qk_scale) + 1.0)
+    elif MASKED:
+        s = s * qk_scale
     if MASKED:
-        logits = tl.where(visible, logits, float("-inf"))
-    return logits
+        s = tl.where(visible, s, float("-inf"))
+    return s
 
 
 @triton.jit
 def _tile_accumulate(
-    logits, m_i, l_i, acc, v_ptr, v_rows, key_ok, offs_d, stride_vd,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    logits, m_i, l_i, acc, v_ptr, v_rows, key_ok, offs_d, stride_vd, qk_scale,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, SOFT_CAP: tl.constexpr,
     RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step: fold a tile's logits and values into (m, l, acc).
@@ -153,7 +155,12 @@ def _tile_accumulate(
     it consistently, so the result is exact. In unmasked tiles every row sees
     every key, so ``m_i`` is finite after the first tile and needs no -inf guards.
     """
-    m_tile = tl.max(logits, 1)
+    if MASKED:
+        m_tile = tl.max(logits, 1)
+    elif SOFT_CAP:
+        m_tile = tl.max(logits, 1)
+    else:
+        m_tile = tl.max(logits, 1) * qk_scale  # raw scores; qk_scale > 0
     if RESCALE_SLACK < 0:
         m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
     # One scalar decides for the whole block, so the skipped multiply is a branch
@@ -168,7 +175,10 @@ def _tile_accumulate(
         else:
             v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
     else:
-        p = tl.exp2(logits - m_i[:, None])
+        if SOFT_CAP:
+            p = tl.exp2(logits - m_i[:, None])
+        else:
+            p = tl.exp2(logits * qk_scale - m_i[:, None])
         if EVEN_D:
             v = tl.load(v_ptrs)
         else:
@@ -263,7 +273,7 @@ def _tree_attention_split_kernel(
             qk_scale, soft_cap, False, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
         m_i, l_i, acc = _tile_accumulate(
             logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, pos < end, offs_d,
-            stride_vd, False, EVEN_D, HEAD_DIM, RESCALE_SLACK, DOT_PRECISION)
+            stride_vd, qk_scale, False, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION)
     # The partial last tile; with a sliding window every tile, since the window's
     # first keys are visible to shallow nodes only.
     for key_start in range(full_end, end, BLOCK_N):
@@ -279,7 +289,7 @@ def _tree_attention_split_kernel(
             qk_scale, soft_cap, True, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
         m_i, l_i, acc = _tile_accumulate(
             logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, key_ok, offs_d,
-            stride_vd, True, EVEN_D, HEAD_DIM, RESCALE_SLACK, DOT_PRECISION)
+            stride_vd, qk_scale, True, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION)
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
