@@ -163,10 +163,11 @@ def _tile_accumulate(
         m_tile = tl.max(logits, 1) * qk_scale  # raw scores; qk_scale > 0
     if RESCALE_SLACK < 0:
         m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
-    # One scalar decides for the whole block, so the skipped multiply is a branch
-    # (rows not past the slack keep a stale maximum, which is exact).
-    elif tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
-        m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
+    else:
+        # One scalar decides for the whole block, so the skipped multiply is a
+        # branch (rows not past the slack keep a stale maximum, which is exact).
+        if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
+            m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
     v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
     if MASKED:
         p = tl.exp2(logits - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
@@ -192,8 +193,10 @@ def _tile_accumulate(
 def _tile_pages(table, pos, key_ok, block_size, stride_tk, MASKED: tl.constexpr):
     """Cache blocks (int64) of logical positions ``pos`` through a request's block table."""
     if MASKED:
-        return tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
-    return tl.load(table + (pos // block_size) * stride_tk).to(tl.int64)
+        blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0)
+    else:
+        blk = tl.load(table + (pos // block_size) * stride_tk)
+    return blk.to(tl.int64)
 
 
 @triton.jit
@@ -208,8 +211,8 @@ def _tree_attention_split_kernel(
     stride_db, stride_dn,
     stride_og, stride_os, stride_or,
     stride_lg, stride_ls,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
     RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Partial attention of one row block of one KV head to one prefix chunk.
@@ -247,7 +250,6 @@ def _tree_attention_split_kernel(
         return
 
     offs_d = tl.arange(0, BLOCK_D)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     q_ptrs = (q_ptr + b64 * stride_qb + node[:, None] * stride_qn + head[:, None] * stride_qh
               + offs_d[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
@@ -614,7 +616,7 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
         part_o, part_lse,
         *common, key_cache.shape[1], S, qk_scale, soft_cap, window,
         *strides, *partial_strides,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_CHUNK=config.min_chunk,
+        EVEN_D=block_d == D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_CHUNK=config.min_chunk,
         RESCALE_SLACK=config.rescale_slack, **flags,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
