@@ -266,9 +266,12 @@ def _tree_attention_split_kernel(
     else:
         full_end = start + (end - start) // BLOCK_N * BLOCK_N
     offs_n = tl.arange(0, BLOCK_N)
+    blk = _tile_pages(table, start + offs_n, start + offs_n < end, block_size, stride_tk, True)
     for key_start in range(start, full_end, BLOCK_N):
         pos = key_start + offs_n
-        blk = _tile_pages(table, pos, pos < end, block_size, stride_tk, False)
+        # The next tile's pages are read a whole tile ahead, so the K/V copies that
+        # the pipeliner issues for it at the end of this tile need not wait on them.
+        blk_next = _tile_pages(table, pos + BLOCK_N, pos + BLOCK_N < end, block_size, stride_tk, True)
         offset = pos % block_size
         logits = _tile_logits(
             q, k_head, blk * stride_kb + offset * stride_kt, pos < end, pos < end, offs_d, stride_kd,
@@ -276,6 +279,7 @@ def _tree_attention_split_kernel(
         m_i, l_i, acc = _tile_accumulate(
             logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, pos < end, offs_d,
             stride_vd, qk_scale, False, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION)
+        blk = blk_next
     # The partial last tile; with a sliding window every tile, since the window's
     # first keys are visible to shallow nodes only.
     for key_start in range(full_end, end, BLOCK_N):
