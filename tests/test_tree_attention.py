@@ -1,7 +1,10 @@
 """Tree attention and KV commit against SDPA and the float64 reference.
 
 Caches are filled with NaN before the used positions are written, so a kernel
-that reads a padded node, a position past the tree or an unused block fails.
+that reads a padded node, a position past the tree or an unused block fails;
+outputs start as NaN, so a row the kernels never write fails too. The Triton
+kernels also run under explicit launch parameters (tiles, split counts, rescale
+rules) on random shapes whose seed the ``gen`` fixture prints.
 """
 
 from __future__ import annotations
