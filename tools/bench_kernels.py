@@ -53,6 +53,7 @@ from triton_ops.tree_attention import (
     paged_tree_attention,
     tree_kv_commit,
 )
+from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 L2_BYTES = 60 << 20
@@ -642,7 +643,7 @@ def attention_correctness(device, smoke: bool, failed: list) -> list[str]:
         (torch.bfloat16, 256, 2, 3, (0, 300), 16, "hnd", None, None, 1e-2),
         (torch.float16, 128, 1, 2, (1, 517), 32, "kv_stacked", None, 30.0, 1e-2),
         (torch.bfloat16, 64, 2, 1, (77, 260), 16, "contiguous", 40, None, 1e-2),
-        (torch.float32, 128, 2, 3, (5, 400), 16, "contiguous", None, None, 1e-5),
+        (torch.float32, 32, 2, 3, (5, 400), 16, "contiguous", None, None, 1e-5),
     ]
     for dtype, D, Hkv, G, prefixes, bs, layout, window, cap, tol in small[-1:] if smoke else small:
         N = 20
@@ -650,24 +651,34 @@ def attention_correctness(device, smoke: bool, failed: list) -> list[str]:
         keys, values, table_ = paged_cache(gen, [p + N for p in prefixes], Hkv, D, bs, dtype, layout, device)
         q = torch.randn(2, N, Hkv * G, D, generator=gen).to(device=device, dtype=dtype)
         prefix = torch.tensor(prefixes, dtype=torch.int32, device=device)
-        out = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, D**-0.5, window, cap,
-                                   backend="triton")
+        out = torch.full_like(q, math.nan)
+        paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, D**-0.5, window, cap,
+                             backend="triton", out=out)
         ref = naive_tree_attention(q.cpu(), keys[0].cpu(), values[0].cpu(), table_.cpu(), prefix.cpu(),
                                    meta_on(meta, "cpu"), D**-0.5, window, cap)
         check_row(rows, failed, f"attention {str(dtype).split('.')[-1]} D={D} G={G} {layout} "
                   f"window={window} cap={cap}", rel_err(out, ref), tol)
     if not smoke:
-        for prefixes, N, window in (((1000, 4097), 64, None), ((8000, 3), 128, 1024), ((32768, 5), 128, None)):
-            meta = random_tree_metadata(gen, ["random", "forest"], N, [N, N // 2], device=device)
+        # Qwen3.6-27B shapes, bf16, against the PyTorch path in fp32 on the same inputs:
+        # mixed prefixes (0, not a multiple of the block or tile), padded trees, both
+        # row-tile heights (N = 32 takes 64-row tiles), a window and a soft cap.
+        for prefixes, N, window, cap in (((1000, 4097), 64, None, None), ((32768, 5), 128, None, None),
+                                         ((8000, 3), 128, 1024, None), ((0, 2049), 32, None, None),
+                                         ((517, 16), 16, None, 50.0), ((32768, 4), 64, None, None)):
+            meta = random_tree_metadata(gen, ["random", "forest"], N, [N, N // 2 + 1], device=device)
             keys, values, table_ = paged_cache(gen, [p + N for p in prefixes], 4, 256, 16, torch.bfloat16,
                                                "hnd", device)
             q = torch.randn(2, N, 24, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
             prefix = torch.tensor(prefixes, dtype=torch.int32, device=device)
-            out = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, 256**-0.5, window)
+            out = torch.full_like(q, math.nan)
+            paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, 256**-0.5, window, cap, out=out)
             ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix,
-                                       meta, 256**-0.5, window, backend="torch")
+                                       meta, 256**-0.5, window, cap, backend="torch")
+            config = kernel_config(q, 4)
             check_row(rows, failed, f"attention 24/4 heads D=256 prefixes={prefixes} N={N} window={window} "
-                      "vs torch fp32", rel_err(out, ref), 1e-2)
+                      f"cap={cap} ({config.block_m}-row tiles, {config.num_splits} splits) vs torch fp32",
+                      rel_err(out, ref), 1e-2)
+            del keys, values
     for layout in ("contiguous", "kv_stacked", "hnd"):
         N = 16 if smoke else 64
         meta = random_tree_metadata(gen, ["random", "forest", "random"], N, [N, N // 2, 1], device=device)
@@ -702,95 +713,145 @@ def sdpa_inputs(q, keys, values, table_, prefixes, meta, N):
     return q.transpose(1, 2), k, v, mask.unsqueeze(1)
 
 
-def attention_timing_table(device, args, bandwidth: float, flops: float) -> list[str]:
-    from triton_ops.tree_attention.attention import kernel_config
+# SDPA needs the GQA-expanded K/V copied out: only where that copy stays small.
+SDPA_MAX_BYTES = 4 << 30
 
+
+def attention_inputs(gen, B, N, prefix_len, Hq, Hkv, D, device, num_layers=1):
+    keys, values, table_ = paged_cache(gen, [prefix_len + N] * B, Hkv, D, 16, torch.bfloat16, "hnd", device,
+                                       num_layers)
+    meta = random_tree_metadata(gen, ["random"] * B, N, [N] * B, device=device)
+    q = torch.randn(B, N, Hq, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    prefix = torch.full((B,), prefix_len, dtype=torch.int32, device=device)
+    return keys, values, table_, meta, q, prefix
+
+
+def attention_timing_table(device, args, bandwidth: float, flops: float, deadline: float) -> list[str]:
+    """Ours under CUDA graphs over distinct layers' caches (so that short prefixes do
+    not sit in L2 between calls), against the bytes and compute floors."""
     Hq, Hkv, D = (4, 2, 32) if args.smoke else (24, 4, 256)
     gen = torch.Generator().manual_seed(21)
-    shapes = [(1, 16, 1024)] if args.smoke else [
-        (1, 16, 32768), (1, 32, 32768), (1, 64, 32768), (1, 128, 32768), (1, 64, 8192), (1, 64, 1024),
-        (8, 64, 32768), (8, 128, 32768), (8, 128, 1024), (32, 64, 8192),
+    # The issue's key shapes first, so that a run cut by the budget still has them.
+    key_shapes = [(1, 64, 32768), (1, 128, 32768)]
+    shapes = [(1, 16, 1024)] if args.smoke else key_shapes + [
+        (B, N, prefix) for B in (1, 8, 32) for prefix in (1024, 8192, 32768) for N in (16, 32, 64, 128)
+        if (B, N, prefix) not in key_shapes
     ]
-    rows = []
+    rows, skipped = [], 0
     for B, N, prefix_len in shapes:
-        keys, values, table_ = paged_cache(gen, [prefix_len + N] * B, Hkv, D, 16, torch.bfloat16, "hnd", device)
-        meta = random_tree_metadata(gen, ["random"] * B, N, [N] * B, device=device)
-        q = torch.randn(B, N, Hq, D, generator=gen).to(device=device, dtype=torch.bfloat16)
-        prefix = torch.full((B,), prefix_len, dtype=torch.int32, device=device)
+        if time.monotonic() > deadline:
+            skipped += 1
+            continue
+        L = prefix_len + N
+        layer_bytes = B * L * Hkv * D * 2 * 2
+        layers = layers_for(layer_bytes)
+        keys, values, table_, meta, q, prefix = attention_inputs(gen, B, N, prefix_len, Hq, Hkv, D, device, layers)
         out = torch.empty_like(q)
-        run = lambda: paged_tree_attention(  # noqa: E731
-            q, keys[0], values[0], table_, prefix, meta, D**-0.5, out=out)
-        ours, ours_graph = time_eager(run, device), time_graph([run] * GRAPH_REPEATS, device)
+        calls = [
+            lambda i=i: paged_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix, meta,
+                                             D**-0.5, out=out)
+            for i in range(GRAPH_REPEATS)
+        ]
+        ours, ours_graph = time_eager(calls[0], device), time_graph(calls, device)
         sdpa = float("nan")
-        if not args.skip_baselines and device.type == "cuda":
+        if not args.skip_baselines and device.type == "cuda" and B * Hq * L * D * 2 * 2 <= SDPA_MAX_BYTES:
             sq, sk, sv, mask = sdpa_inputs(q, keys[0], values[0], table_, [prefix_len] * B, meta, N)
             sdpa = guarded("sdpa", lambda: time_eager(lambda: torch.nn.functional.scaled_dot_product_attention(
                 sq, sk, sv, attn_mask=mask, scale=D**-0.5), device))
             del sq, sk, sv, mask
-        L = prefix_len + N
-        bytes_floor = B * L * Hkv * D * 2 * 2 / bandwidth * 1e6
+        bytes_floor = layer_bytes / bandwidth * 1e6
         flops_floor = 4 * B * Hq * N * L * D / flops * 1e6
-        splits = kernel_config(q, Hkv).num_splits
-        rows.append([str(B), str(N), str(prefix_len), str(splits), fmt(ours), fmt(ours_graph), fmt(sdpa),
-                     fmt(bytes_floor), fmt(flops_floor), fmt(ours_graph / max(bytes_floor, flops_floor), 2),
-                     fmt(sdpa / ours_graph, 2)])
-        del keys, values
-    return table(
-        f"tree attention, {Hq} q / {Hkv} kv heads, D={D}, bf16, block 16, HND cache (us; bytes floor = K/V "
-        f"read once / {fmt(bandwidth / 1e12, 2)} TB/s; compute floor = 4 B Hq N L D / "
-        f"{fmt(flops / 1e12, 0)} TFLOP/s)",
-        ["B", "N", "prefix", "splits", "ours eager", "ours graph", "SDPA", "bytes floor", "compute floor",
-         "graph / floor", "SDPA / ours"],
-        rows,
-    )
+        config = kernel_config(q, Hkv)
+        rows.append([str(B), str(N), str(prefix_len), f"{config.block_m}x{config.block_n}",
+                     str(config.num_splits), fmt(ours), fmt(ours_graph), fmt(sdpa), fmt(bytes_floor),
+                     fmt(flops_floor), fmt(ours_graph / max(bytes_floor, flops_floor), 2),
+                     fmt(4 * B * Hq * N * L * D / (ours_graph * 1e-6) / 1e12, 0)])
+        del keys, values, calls
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # B = 32 at 32k holds 2 GB of cache per layer
+    header = ["B", "N", "prefix", "tiles", "splits", "ours eager", "ours graph", "SDPA", "bytes floor",
+              "compute floor", "graph / floor", "TFLOP/s"]
+    title = (f"tree attention, {Hq} q / {Hkv} kv heads, D={D}, bf16, block 16, HND cache (us; graph = "
+             f"{GRAPH_REPEATS} calls over distinct layers per replay; bytes floor = K/V read once / "
+             f"{fmt(bandwidth / 1e12, 2)} TB/s; compute floor = 4 B Hq N L D / {fmt(flops / 1e12, 0)} TFLOP/s"
+             + (f"; {skipped} shapes skipped: past the budget" if skipped else "") + ")")
+    args.attention_rows = (title, header, rows)
+    return table(title, header, rows)
+
+
+def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list[str]:
+    return [f"**{title}**", "", "| " + " | ".join(header) + " |",
+            "|" + "|".join("--:" for _ in header) + "|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+
+
+# Split-kernel candidates by row-tile height, (block_m, block_n, num_warps, num_stages,
+# programs_per_sm, rescale_slack): the defaults first, then 32-key tiles with K/V two or
+# three tiles ahead (164 / 192 KB of shared memory on sm_90), the textbook rescale every
+# tile, and 16-key tiles two ahead for 64-row tiles (82 KB: still two programs per SM).
+ATTENTION_CANDIDATES = {
+    128: [(128, 64, 8, 2, 1, 8.0), (128, 32, 8, 4, 1, 8.0), (128, 32, 8, 3, 1, 8.0), (128, 64, 8, 2, 1, -1.0)],
+    64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0)],
+}
 
 
 def attention_config_sweep(device, args) -> list[str]:
-    """Split-kernel tiles and split counts at B = 1, prefix 32k; the tables use the fastest tiles."""
-    if device.type != "cuda" or not args.sweep:
+    """Split-kernel parameters at B = 1, prefix 32k; the tables then use the fastest of
+    each row-tile height (``attention.CUDA_TILES``). ``--smoke``: tiny shapes on CPU,
+    to check the section itself."""
+    if not args.sweep:
         return []
     import triton_ops.tree_attention.attention as attention_module
-    from triton_ops.tree_attention.attention import KernelConfig, kernel_config, launch_tree_attention
+    from triton_ops.tree_attention.attention import KernelConfig, launch_tree_attention, split_count
 
     gen = torch.Generator().manual_seed(22)
-    candidates = [(128, 32, 8, 2), (64, 32, 4, 3), (64, 32, 4, 2), (64, 64, 4, 2), (128, 64, 8, 2),
-                  (128, 16, 8, 3), (64, 32, 8, 3)]
+    Hq, Hkv, D, prefix_len = (6, 2, 32, 300) if args.smoke else (24, 4, 256, 32768)
+    G = Hq // Hkv
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     rows, totals = [], {}
-    for N in (64, 128):
-        prefix_len = 32768
-        meta = random_tree_metadata(gen, ["random"], N, [N], device=device)
-        keys, values, table_ = paged_cache(gen, [prefix_len + N], 4, 256, 16, torch.bfloat16, "hnd", device)
-        q = torch.randn(1, N, 24, 256, generator=gen).to(device=device, dtype=torch.bfloat16)
-        prefix = torch.tensor([prefix_len], dtype=torch.int32, device=device)
-        out = torch.empty_like(q)
-        ref = paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, 1 / 16)
-        default_tiles = attention_module.CUDA_TILES
-        for tiles in candidates:
-            attention_module.CUDA_TILES = tiles
-            base = kernel_config(q, 4)
-            attention_module.CUDA_TILES = default_tiles
-            for splits in sorted({base.num_splits, max(1, base.num_splits // 2), 2 * base.num_splits}):
-                config = KernelConfig(*tiles, 4 * tiles[1], splits)
-                run = lambda: launch_tree_attention(q, keys[0], values[0], table_, prefix, meta,  # noqa: E731
-                                                    1 / 16, None, None, out, config)
+    for N in (32, 64, 128):
+        layers = layers_for(prefix_len * Hkv * D * 2 * 2)
+        keys, values, table_, meta, q, prefix = attention_inputs(gen, 1, N, prefix_len, Hq, Hkv, D, device, layers)
+        if args.smoke:
+            q, keys, values = q.float(), [k.float() for k in keys], [v.float() for v in values]
+        out = torch.full_like(q, math.nan)
+        ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix, meta, D**-0.5,
+                                   backend="torch")
+        for height, candidates in ATTENTION_CANDIDATES.items():
+            for tiles in candidates:
+                block_m, block_n, warps, stages, per_sm, slack = tiles
+                splits = split_count(-(-N * G // block_m) * Hkv, num_sms * per_sm)
+                config = KernelConfig(block_m, block_n, warps, stages, 2 * block_n, splits, per_sm, slack)
+                calls = [
+                    lambda i=i: launch_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix,
+                                                      meta, D**-0.5, None, None, out, config)
+                    for i in range(GRAPH_REPEATS)
+                ]
                 try:
-                    kernel = run()
-                    us = time_graph([run] * GRAPH_REPEATS, device)
-                    err = rel_err(out, ref)
-                    build = f"{kernel.n_regs}/{kernel.n_spills}"
+                    out.fill_(math.nan)
+                    kernel = calls[0]()
                 except Exception as exc:  # noqa: BLE001 - a config may not fit in shared memory
-                    us, err, build = float("nan"), float("nan"), type(exc).__name__
-                if splits == base.num_splits:
-                    totals[tiles] = totals.get(tiles, 0.0) + us
-                rows.append([str(N), "x".join(map(str, tiles)), str(splits),
-                             "*" if splits == base.num_splits else "", fmt(us), build, fmt_err(err)])
-    finite = {t: v for t, v in totals.items() if math.isfinite(v)}
-    if finite:
-        attention_module.CUDA_TILES = min(finite, key=finite.__getitem__)
-    return table(f"tree attention split-kernel configurations, B=1, prefix 32k (us, graph; * = the "
-                 f"heuristic's split count; tables use {attention_module.CUDA_TILES})",
-                 ["N", "m x n x warps x stages", "splits", "", "graph", "regs/spills", "diff to default"],
-                 rows)
+                    print(f"attention sweep {tiles}: {type(exc).__name__}: {exc}"[:400], flush=True)
+                    rows.append([str(N), "x".join(f"{x:g}" for x in tiles), str(splits), "-", type(exc).__name__, "-"])
+                    totals[tiles] = math.nan
+                    continue
+                err = rel_err(out, ref)
+                if not err < 1e-2:
+                    args.failed.append(f"attention sweep {tiles} N={N}")
+                us = time_graph(calls, device)
+                build = (f"{kernel.n_regs}/{kernel.n_spills}/{kernel.metadata.shared // 1024}K"
+                         if device.type == "cuda" else "-")
+                totals[tiles] = totals.get(tiles, 0.0) + us
+                rows.append([str(N), "x".join(f"{x:g}" for x in tiles), str(splits), fmt(us), build, fmt_err(err)])
+        del keys, values
+    chosen = []
+    for height, candidates in ATTENTION_CANDIDATES.items():
+        finite = [t for t in candidates if math.isfinite(totals.get(t, math.nan))]
+        if finite:
+            attention_module.CUDA_TILES[height] = min(finite, key=totals.__getitem__)
+        chosen.append("x".join(f"{x:g}" for x in attention_module.CUDA_TILES[height]))
+    return table(f"tree attention split-kernel parameters, B=1, prefix {prefix_len} (us, graph; m x n x warps x "
+                 f"stages x programs per SM x rescale slack; the tables use {', '.join(chosen)})",
+                 ["N", "parameters", "splits", "graph", "regs/spills/smem", "error vs torch fp32"], rows)
 
 
 def kv_commit_table(device, args, bandwidth: float) -> list[str]:
@@ -818,11 +879,14 @@ def kv_commit_table(device, args, bandwidth: float) -> list[str]:
 
 def bench_attention(args) -> list[str]:
     device = args.device
+    deadline = time.monotonic() + args.budget_s
+    args.attention_rows = None
     sections = [
         lambda: attention_correctness(device, args.smoke, args.failed),
         lambda: attention_config_sweep(device, args),
+        lambda: attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device), deadline),
         lambda: kv_commit_table(device, args, copy_bandwidth(device)),
-        lambda: attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device)),
+        lambda: markdown_table(*args.attention_rows) if args.attention_rows else [],
     ]
     return run_sections("attn", sections, args)
 
@@ -866,7 +930,7 @@ def main() -> int:
     parser.add_argument("--kernels", default="",
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--budget-s", type=float, default=360.0,
-                        help="GDN: stop starting new timings after this many seconds")
+                        help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()
     only = [name for name in args.only.split(",") if name]
     unknown = sorted(set(only) - set(FAMILIES))

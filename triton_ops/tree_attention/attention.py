@@ -5,12 +5,23 @@ The tree nodes' K/V already sit in the paged cache at logical positions
 ``prefix_len + node`` (the engine writes them with the linear slot mapping);
 node ``i`` is a query at token position ``prefix_len + depth(i)``.
 
-CUDA runs two kernels (flash-decoding): a split kernel where each program
-takes one block of query rows of one KV head (all query heads of a GQA group
-together, so K/V are read once per group) and either one chunk of the prefix
-or the tree keys under the ancestor mask; then a merge of the partial softmaxes.
-The number of prefix chunks depends on shapes only and chunks shorter than a
-minimum stay idle, so nothing waits on the host and the launch is graph-safe.
+CUDA runs two kernels (flash-decoding):
+
+- ``_tree_attention_split_kernel``: the prefix, cut into ``num_splits`` chunks.
+  A program takes one chunk and a block of query rows of one KV head. Rows are
+  node-major over the G query heads of the GQA group (row ``r``: node ``r // G``,
+  head ``h G + r % G``), so each K/V tile is read once per row block and feeds a
+  [BLOCK_M, D] x [D, BLOCK_N] product on the tensor cores. Every node sees the
+  whole prefix, so the steady-state loop has no mask at all (the sliding window
+  aside); the softmax rescales the accumulator only when some row's maximum
+  grew past a slack (exact either way: the stale maximum is what both the
+  partial sums and the log-sum-exp use).
+- ``_tree_attention_merge_kernel``: per small block of rows, attention to the
+  tree keys (at most N) under the ancestor mask, folded together with the
+  prefix partials into the output.
+
+The split count depends on shapes only and chunks past a short prefix stay
+idle, so nothing waits on the host and the launch is graph-safe.
 """
 
 from __future__ import annotations
@@ -44,17 +55,36 @@ from triton_ops.utils import (
 
 LOG2E = math.log2(math.e)
 MAX_HEAD_DIM = 256
-# (block_m, block_n, num_warps, num_stages) of the split kernel on CUDA: the fastest
-# of the H200 sweep in tools/bench_kernels.py --sweep at D=256, B=1, N=64, prefix 32k
-# (234 us; 64x32 tiles with 4 warps: 238 us; the first 64x64 tiles: 353 us).
-CUDA_TILES = (128, 32, 8, 2)
 MAX_SPLITS = 64
+# A split count within this factor of the best modelled time is good enough; the
+# smallest such count wins, since every split adds a partial to write and merge.
+SPLIT_TOLERANCE = 1.05
+# Rescale the accumulator only when a row's maximum grew by more than this many
+# log2 units: the probabilities then stay below 2^8 (exact in fp32 and in the
+# 16-bit P operand's exponent), and the [BLOCK_M, D] multiply is skipped in almost
+# every tile of a long prefix.
+RESCALE_SLACK = 8.0
+MERGE_ROWS = 16
+# Split-kernel parameters on CUDA by row-tile height: (block_m, block_n, num_warps,
+# num_stages, programs_per_sm, rescale_slack). 128 rows: two warpgroups of 64, Q and
+# two K/V stages of 64 keys fill 192 KB of shared memory, one program per SM.
+# 64 rows: one warpgroup, 96 KB, two programs per SM (each K/V tile is then read by
+# twice as many programs: more L2 traffic). tools/bench_kernels.py --sweep times
+# the alternatives and overrides these for its tables.
+CUDA_TILES = {128: (128, 64, 8, 2, 1, RESCALE_SLACK), 64: (64, 32, 4, 2, 2, RESCALE_SLACK)}
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Tile sizes of the split kernel. ``min_chunk`` (a multiple of ``block_n``)
-    is the fewest prefix keys a split takes, so short prefixes use few splits."""
+    """Launch parameters of the split kernel.
+
+    ``min_chunk`` (a multiple of ``block_n``) is the fewest prefix keys a split
+    takes, so short prefixes leave splits idle rather than run many tiny ones.
+    ``programs_per_sm``: how many split programs one SM holds at a time (registers
+    and shared memory), which the split count fills whole waves of.
+    ``rescale_slack``: :data:`RESCALE_SLACK`; 0 rescales whenever a maximum grows,
+    a negative value every tile without the branch (the textbook online softmax).
+    """
 
     block_m: int
     block_n: int
@@ -62,40 +92,116 @@ class KernelConfig:
     num_stages: int
     min_chunk: int
     num_splits: int
+    programs_per_sm: int = 1
+    rescale_slack: float = RESCALE_SLACK
 
 
 @triton.jit
-def _attend_key_block(
-    q, m_i, l_i, acc, visible,
-    k_ptr, v_ptr, k_rows, v_rows, key_ok, offs_d, d_mask, stride_kd, stride_vd,
-    qk_scale, soft_cap,
-    SOFT_CAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """One online-softmax step over a block of keys, logits in log2 units.
+def _raise_maximum(m_i, l_i, acc, m_tile, MASKED: tl.constexpr):
+    """Move the running maxima up to ``m_tile`` where it is larger, rescaling the sums."""
+    m_new = tl.maximum(m_i, m_tile)
+    if MASKED:
+        # A row that has seen no visible key keeps m = -inf (and acc = l = 0).
+        alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+    else:
+        alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha, acc * alpha[:, None]
 
-    Without a soft cap ``qk_scale`` is scale * log2(e). With one it is
+
+@triton.jit
+def _tile_logits(
+    q, k_ptr, k_rows, key_ok, visible, offs_d, stride_kd, qk_scale, soft_cap,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, SOFT_CAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """[BLOCK_M, BLOCK_N] logits of one key tile in log2 units, -inf where not visible;
+    unmasked tiles without a soft cap return the raw scores q.k, which
+    :func:`_tile_accumulate` scales inside the exponent's FMA.
+
+    Without a soft cap ``qk_scale`` is scale * log2(e); with one it is
     scale * 2 log2(e) / cap and ``soft_cap`` is cap * log2(e), so that
     cap * tanh(x / cap) * log2(e) = soft_cap * (1 - 2 / (exp2(q.k * qk_scale) + 1)).
+    Unmasked tiles (``MASKED`` false) read every key unconditionally.
     """
-    kv_mask = key_ok[:, None] & d_mask[None, :]
-    k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
-    logits = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    k_ptrs = k_ptr + k_rows[:, None] + offs_d[None, :] * stride_kd
+    if MASKED:
+        if EVEN_D:
+            k = tl.load(k_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_ptrs)
+    else:
+        k = tl.load(k_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFT_CAP:
-        logits = soft_cap - 2.0 * soft_cap / (tl.exp2(logits) + 1.0)
-    logits = tl.where(visible, logits, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(logits, 1))
-    # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(logits - m_shift[:, None])
-    alpha = tl.exp2(m_i - m_shift)
-    v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc
+        s = soft_cap - 2.0 * soft_cap / (tl.exp2(s * qk_scale) + 1.0)
+    elif MASKED:
+        s = s * qk_scale
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    return s
+
+
+@triton.jit
+def _tile_accumulate(
+    logits, m_i, l_i, acc, v_ptr, v_rows, key_ok, offs_d, stride_vd, qk_scale,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, HEAD_DIM: tl.constexpr, SOFT_CAP: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One online-softmax step: fold a tile's logits and values into (m, l, acc).
+
+    ``m_i`` may lag the true row maximum by up to ``RESCALE_SLACK``: the sums use
+    it consistently, so the result is exact. In unmasked tiles every row sees
+    every key, so ``m_i`` is finite after the first tile and needs no -inf guards.
+    """
+    if MASKED:
+        m_tile = tl.max(logits, 1)
+    elif SOFT_CAP:
+        m_tile = tl.max(logits, 1)
+    else:
+        m_tile = tl.max(logits, 1) * qk_scale  # raw scores; qk_scale > 0
+    if RESCALE_SLACK < 0:
+        m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
+    else:
+        # One scalar decides for the whole block, so the skipped multiply is a
+        # branch (rows not past the slack keep a stale maximum, which is exact).
+        if tl.max((m_tile > m_i + RESCALE_SLACK).to(tl.int32), 0) > 0:
+            m_i, l_i, acc = _raise_maximum(m_i, l_i, acc, m_tile, MASKED)
+    v_ptrs = v_ptr + v_rows[:, None] + offs_d[None, :] * stride_vd
+    if MASKED:
+        p = tl.exp2(logits - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        if EVEN_D:
+            v = tl.load(v_ptrs, mask=key_ok[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    else:
+        if SOFT_CAP:
+            p = tl.exp2(logits - m_i[:, None])
+        else:
+            p = tl.exp2(logits * qk_scale - m_i[:, None])
+        if EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=(offs_d < HEAD_DIM)[None, :], other=0.0)
+    l_i = l_i + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _tile_pages(table, pos, key_ok, block_size, stride_tk, MASKED: tl.constexpr):
+    """Cache blocks (int64) of logical positions ``pos`` through a request's block table."""
+    if MASKED:
+        blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0)
+    else:
+        blk = tl.load(table + (pos // block_size) * stride_tk)
+    return blk.to(tl.int64)
 
 
 @triton.jit
 def _tree_attention_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, depths_ptr, words_ptr,
+    q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, depths_ptr,
     part_o_ptr, part_lse_ptr,
     Hkv, G, block_size, num_splits, qk_scale, soft_cap, window,
     stride_qb, stride_qn, stride_qh, stride_qd,
@@ -103,48 +209,145 @@ def _tree_attention_split_kernel(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_tb, stride_tk,
     stride_db, stride_dn,
-    stride_wb, stride_wn, stride_ww,
-    stride_ob, stride_os, stride_on, stride_oh,
-    stride_lb, stride_ls, stride_ln,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    MIN_CHUNK: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    stride_og, stride_os, stride_or,
+    stride_lg, stride_ls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
+    RESCALE_SLACK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Partial attention of one row block of one KV head to one prefix chunk.
+
+    Writes, per row, the chunk's normalised output and its log-sum-exp (log2
+    units; -inf for an idle chunk or a row that sees none of it) into
+    ``part_o[b Hkv + h, split, row]`` and ``part_lse[b Hkv + h, split, row]``.
+    """
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2) // Hkv
     h = tl.program_id(2) % Hkv
-    prefix_len = tl.load(prefix_ptr + b).to(tl.int32)
     num_rows = tl.load(num_nodes_ptr + b) * G
-    # Rows are node-major: row r is query head h*G + r % G of node r // G.
     if pid_m * BLOCK_M >= num_rows:
-        return
+        return  # only padded nodes: the merge reads none of their partials
+    prefix_len = tl.load(prefix_ptr + b).to(tl.int32)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < num_rows
     node = rows // G
     head = h * G + rows % G
     b64 = b.to(tl.int64)
-    lse_ptrs = part_lse_ptr + b64 * stride_lb + split * stride_ls + node * stride_ln + head
+    group = tl.program_id(2).to(tl.int64)
+    lse_ptrs = part_lse_ptr + group * stride_lg + split * stride_ls + rows
 
-    is_tree = split == num_splits
-    if is_tree:
-        start = prefix_len * 0
-        end = (tl.minimum(pid_m * BLOCK_M + BLOCK_M, num_rows) - 1) // G + 1
-    else:
-        low = prefix_len * 0
-        if SLIDING:
-            # The shallowest query (depth 0) sees keys from prefix_len - window + 1 on.
-            low = tl.maximum(prefix_len - window + 1, 0)
-        chunk = tl.maximum(tl.cdiv(tl.cdiv(prefix_len - low, num_splits), MIN_CHUNK), 1) * MIN_CHUNK
-        start = low + split * chunk
-        end = tl.minimum(start + chunk, prefix_len)
+    low = prefix_len * 0
+    if SLIDING:
+        # The shallowest query (depth 0) sees keys from prefix_len - window + 1 on.
+        low = tl.maximum(prefix_len - window + 1, 0)
+    # Chunks are whole tiles, so only the request's last tile is partial.
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(prefix_len - low, num_splits), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    start = low + split * chunk
+    end = tl.minimum(start + chunk, prefix_len)
     if start >= end:
-        # An idle split: the merge skips partials whose lse is -inf.
         tl.store(lse_ptrs, tl.full((BLOCK_M,), float("-inf"), tl.float32), mask=row_ok)
         return
 
     offs_d = tl.arange(0, BLOCK_D)
+    q_ptrs = (q_ptr + b64 * stride_qb + node[:, None] * stride_qn + head[:, None] * stride_qh
+              + offs_d[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    q_pos = prefix_len + tl.load(depths_ptr + b * stride_db + node * stride_dn, mask=row_ok, other=0)
+    table = block_table_ptr + b64 * stride_tb
+    k_head = k_ptr + h * stride_kh
+    v_head = v_ptr + h * stride_vh
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+
+    if SLIDING:
+        full_end = start
+    else:
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    offs_n = tl.arange(0, BLOCK_N)
+    blk = _tile_pages(table, start + offs_n, start + offs_n < end, block_size, stride_tk, True)
+    for key_start in range(start, full_end, BLOCK_N):
+        pos = key_start + offs_n
+        # The next tile's pages are read a whole tile ahead, so the K/V copies that
+        # the pipeliner issues for it at the end of this tile need not wait on them.
+        blk_next = _tile_pages(table, pos + BLOCK_N, pos + BLOCK_N < end, block_size, stride_tk, True)
+        offset = pos % block_size
+        logits = _tile_logits(
+            q, k_head, blk * stride_kb + offset * stride_kt, pos < end, pos < end, offs_d, stride_kd,
+            qk_scale, soft_cap, False, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
+        m_i, l_i, acc = _tile_accumulate(
+            logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, pos < end, offs_d,
+            stride_vd, qk_scale, False, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION)
+        blk = blk_next
+    # The partial last tile; with a sliding window every tile, since the window's
+    # first keys are visible to shallow nodes only.
+    for key_start in range(full_end, end, BLOCK_N):
+        pos = key_start + offs_n
+        key_ok = pos < end
+        visible = key_ok[None, :]
+        if SLIDING:
+            visible = visible & ((q_pos[:, None] - pos[None, :]) < window)
+        blk = _tile_pages(table, pos, key_ok, block_size, stride_tk, True)
+        offset = pos % block_size
+        logits = _tile_logits(
+            q, k_head, blk * stride_kb + offset * stride_kt, key_ok, visible, offs_d, stride_kd,
+            qk_scale, soft_cap, True, EVEN_D, HEAD_DIM, SOFT_CAP, DOT_PRECISION)
+        m_i, l_i, acc = _tile_accumulate(
+            logits, m_i, l_i, acc, v_head, blk * stride_vb + offset * stride_vt, key_ok, offs_d,
+            stride_vd, qk_scale, True, EVEN_D, HEAD_DIM, SOFT_CAP, RESCALE_SLACK, DOT_PRECISION)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    part = part_o_ptr + group * stride_og + split * stride_os + rows[:, None] * stride_or + offs_d[None, :]
+    tl.store(part, out, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(lse_ptrs, lse, mask=row_ok)
+
+
+@triton.jit
+def _tree_attention_merge_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, depths_ptr, words_ptr,
+    part_o_ptr, part_lse_ptr, o_ptr,
+    Hkv, G, num_rows_max, block_size, qk_scale, soft_cap, window,
+    stride_qb, stride_qn, stride_qh, stride_qd,
+    stride_kb, stride_kt, stride_kh, stride_kd,
+    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_tb, stride_tk,
+    stride_db, stride_dn,
+    stride_wb, stride_wn, stride_ww,
+    stride_og, stride_os, stride_or,
+    stride_lg, stride_ls,
+    stride_yb, stride_yn, stride_yh, stride_yd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Attention of BLOCK_R rows of one KV head to their tree ancestors, merged
+    with the prefix partials into ``o``; rows of padded nodes get zeros.
+
+    The split loop is unrolled (``NUM_SPLITS`` is a compile-time constant) so that
+    the partials' loads are all in flight at once rather than one latency each."""
+    pid_r = tl.program_id(0)
+    b = tl.program_id(1) // Hkv
+    h = tl.program_id(1) % Hkv
+    b64 = b.to(tl.int64)
+    group = tl.program_id(1).to(tl.int64)
+    num_rows = tl.load(num_nodes_ptr + b) * G
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < num_rows
+    node = rows // G
+    head = h * G + rows % G
+    offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    out_ptrs = (o_ptr + b64 * stride_yb + node[:, None] * stride_yn + head[:, None] * stride_yh
+                + offs_d[None, :] * stride_yd)
+    in_tile = (rows < num_rows_max)[:, None] & d_mask[None, :]
+    if pid_r * BLOCK_R >= num_rows:
+        tl.store(out_ptrs, tl.zeros((BLOCK_R, BLOCK_D), o_ptr.dtype.element_ty), mask=in_tile)
+        return
+
+    prefix_len = tl.load(prefix_ptr + b).to(tl.int32)
     q = tl.load(
         q_ptr + b64 * stride_qb + node[:, None] * stride_qn + head[:, None] * stride_qh
         + offs_d[None, :] * stride_qd,
@@ -152,116 +355,106 @@ def _tree_attention_split_kernel(
     )
     q_depth = tl.load(depths_ptr + b * stride_db + node * stride_dn, mask=row_ok, other=0)
     table = block_table_ptr + b64 * stride_tb
-    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    # Ancestors precede their descendants, so the block's last node bounds its keys.
+    end = (tl.minimum(pid_r * BLOCK_R + BLOCK_R, num_rows) - 1) // G + 1
+    for key_start in range(0, end, BLOCK_T):
+        j = key_start + tl.arange(0, BLOCK_T)
+        key_ok = j < end
+        pos = prefix_len + j
+        blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
+        words = tl.load(
+            words_ptr + b64 * stride_wb + node[:, None] * stride_wn + (j // 64)[None, :] * stride_ww,
+            mask=row_ok[:, None] & key_ok[None, :], other=0,
+        )
+        visible = bit_is_set(words, j[None, :]) & key_ok[None, :]
+        if SLIDING:
+            k_depth = tl.load(depths_ptr + b * stride_db + j * stride_dn, mask=key_ok, other=0)
+            visible = visible & ((q_depth[:, None] - k_depth[None, :]) < window)
+        kv_mask = key_ok[:, None] & d_mask[None, :]
+        offset = pos % block_size
+        k = tl.load(k_ptr + (blk * stride_kb + offset * stride_kt + h * stride_kh)[:, None]
+                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFT_CAP:
+            logits = soft_cap - 2.0 * soft_cap / (tl.exp2(s * qk_scale) + 1.0)
+        else:
+            logits = s * qk_scale
+        logits = tl.where(visible, logits, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(logits - m_shift[:, None])
+        alpha = tl.exp2(m_i - m_shift)
+        v = tl.load(v_ptr + (blk * stride_vb + offset * stride_vt + h * stride_vh)[:, None]
+                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
 
-    if is_tree:
-        for key_start in range(start, end, BLOCK_N):
-            j = key_start + tl.arange(0, BLOCK_N)
-            key_ok = j < end
-            pos = prefix_len + j
-            blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
-            words = tl.load(
-                words_ptr + b64 * stride_wb + node[:, None] * stride_wn + (j // 64)[None, :] * stride_ww,
-                mask=row_ok[:, None] & key_ok[None, :], other=0,
-            )
-            visible = bit_is_set(words, j[None, :])
-            if SLIDING:
-                k_depth = tl.load(depths_ptr + b * stride_db + j * stride_dn, mask=key_ok, other=0)
-                visible = visible & ((q_depth[:, None] - k_depth[None, :]) < window)
-            m_i, l_i, acc = _attend_key_block(
-                q, m_i, l_i, acc, visible & key_ok[None, :],
-                k_ptr, v_ptr,
-                blk * stride_kb + (pos % block_size) * stride_kt + h * stride_kh,
-                blk * stride_vb + (pos % block_size) * stride_vt + h * stride_vh,
-                key_ok, offs_d, d_mask, stride_kd, stride_vd, qk_scale, soft_cap,
-                SOFT_CAP, DOT_PRECISION,
-            )
-    else:
-        for key_start in range(start, end, BLOCK_N):
-            pos = key_start + tl.arange(0, BLOCK_N)
-            key_ok = pos < end
-            blk = tl.load(table + (pos // block_size) * stride_tk, mask=key_ok, other=0).to(tl.int64)
-            visible = key_ok[None, :]
-            if SLIDING:
-                visible = visible & ((prefix_len + q_depth[:, None] - pos[None, :]) < window)
-            m_i, l_i, acc = _attend_key_block(
-                q, m_i, l_i, acc, visible,
-                k_ptr, v_ptr,
-                blk * stride_kb + (pos % block_size) * stride_kt + h * stride_kh,
-                blk * stride_vb + (pos % block_size) * stride_vt + h * stride_vh,
-                key_ok, offs_d, d_mask, stride_kd, stride_vd, qk_scale, soft_cap,
-                SOFT_CAP, DOT_PRECISION,
-            )
-
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    part = b64 * stride_ob + split * stride_os + node * stride_on + head * stride_oh
-    tl.store(part_o_ptr + part[:, None] + offs_d[None, :], out, mask=row_ok[:, None] & d_mask[None, :])
-    tl.store(lse_ptrs, lse, mask=row_ok)
-
-
-@triton.jit
-def _tree_attention_merge_kernel(
-    part_o_ptr, part_lse_ptr, num_nodes_ptr, o_ptr,
-    N, num_parts,
-    stride_ob, stride_os, stride_on, stride_oh,
-    stride_lb, stride_ls, stride_ln,
-    stride_yb, stride_yn, stride_yh, stride_yd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0) // N
-    n = tl.program_id(0) % N
-    head = tl.program_id(1)
-    b64 = b.to(tl.int64)
-    valid = n < tl.load(num_nodes_ptr + b)
-    splits = tl.arange(0, BLOCK_S)
-    # A padded node's partials were never written: read none (the bound is a
-    # scalar so that the mask stays a vector compare, as the interpreter needs).
-    lse = tl.load(part_lse_ptr + b64 * stride_lb + splits * stride_ls + n * stride_ln + head,
-                  mask=splits < tl.where(valid, num_parts, 0), other=float("-inf"))
-    # The tree split holds the node itself, so a valid node has a finite maximum
-    # and a weight sum >= 1; the clamps only keep padded nodes free of NaN.
-    weight = tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1e30))
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    part = tl.load(
-        part_o_ptr + b64 * stride_ob + splits[:, None] * stride_os + n * stride_on
-        + head * stride_oh + offs_d[None, :],
-        mask=(lse > float("-inf"))[:, None] & d_mask[None, :], other=0.0,
-    )
-    out = tl.sum(part * weight[:, None], 0) / tl.maximum(tl.sum(weight, 0), 1e-30)
-    out = tl.where(valid, out, 0.0)
-    tl.store(o_ptr + b64 * stride_yb + n * stride_yn + head * stride_yh + offs_d * stride_yd,
-             out.to(o_ptr.dtype.element_ty), mask=d_mask)
+    # Fold in the prefix partials: weights 2^(lse - m) against the running maximum.
+    # A real node sees itself, so m_i is finite here for every row_ok row.
+    m_i = tl.where(row_ok, m_i, 0.0)
+    for split in tl.static_range(NUM_SPLITS):
+        lse = tl.load(part_lse_ptr + group * stride_lg + split * stride_ls + rows,
+                      mask=row_ok, other=float("-inf"))
+        part = tl.load(
+            part_o_ptr + group * stride_og + split * stride_os + rows[:, None] * stride_or
+            + offs_d[None, :],
+            mask=(lse > float("-inf"))[:, None] & d_mask[None, :], other=0.0,
+        )
+        m_new = tl.maximum(m_i, lse)
+        alpha = tl.exp2(m_i - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        l_i = l_i * alpha + weight
+        m_i = m_new
+    out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
+    out = tl.where(row_ok[:, None], out, 0.0)
+    tl.store(out_ptrs, out.to(o_ptr.dtype.element_ty), mask=in_tile)
 
 
 def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
-    """Tiles and split count for the split kernel on ``q``'s device."""
+    """Launch parameters of the split kernel for ``q``'s shape and device.
+
+    CUDA: rows come in tiles of 128 (:data:`CUDA_TILES`) unless 64-row tiles pad
+    fewer rows (G = 6, N = 32: 192 rows, three 64-row tiles instead of two of 128)
+    or the inputs are fp32; key tiles keep the bytes of 16-bit D = 256 tiles; the
+    split count then fills whole waves of the SMs.
+    """
     B, N, Hq, D = q.shape
     rows = N * (Hq // num_kv_heads)
     if q.device.type != "cuda":
         # The interpreter: small tiles keep it fast, and three splits exercise the merge.
         block_m = min(32, dot_block(rows))
         return KernelConfig(block_m, 16, 4, 1, 16, 3)
-    block_m, block_n, num_warps, num_stages = CUDA_TILES
+    height = 64 if triton.cdiv(rows, 64) * 64 < triton.cdiv(rows, 128) * 128 else 128
+    if q.element_size() > 2:
+        height = 64  # a 128-row fp32 Q tile alone takes 128 KB at D = 256
+    block_m, block_n, num_warps, num_stages, per_sm, slack = CUDA_TILES[height]
+    # The tiles are sized for 16-bit D = 256: keep the bytes of a K/V tile (fp32
+    # multiplies on the FMA units, whose operands take registers: at most 32 keys).
+    widest = 128 if q.element_size() == 2 else 32
+    block_n = max(16, min(widest, block_n * 512 // (dot_block(D) * q.element_size())))
     programs_per_split = B * num_kv_heads * triton.cdiv(rows, block_m)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    num_splits = split_count(programs_per_split, num_sms)
-    return KernelConfig(block_m, block_n, num_warps, num_stages, 4 * block_n, num_splits)
+    num_splits = split_count(programs_per_split, num_sms * per_sm)
+    return KernelConfig(block_m, block_n, num_warps, num_stages, 2 * block_n, num_splits, per_sm,
+                        slack)
 
 
-def split_count(programs_per_split: int, num_sms: int, max_splits: int = MAX_SPLITS) -> int:
-    """Prefix splits that finish a long prefix soonest: with one program per SM at a
-    time (the 128-row tiles fill an SM's registers), S splits of a prefix of L keys
-    take ``ceil(P S / num_sms)`` waves of ``L / S`` keys each. The smallest S of the
-    least cost wins (fewer partials to merge); short prefixes leave splits idle."""
+def split_count(programs_per_split: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
+    """Prefix splits that finish a long prefix soonest: with ``slots`` programs
+    running at a time, S splits of a prefix of L keys take ``ceil(P S / slots)``
+    waves of ``L / S`` keys each. The smallest S within :data:`SPLIT_TOLERANCE` of
+    the least cost wins (fewer partials to write and merge); short prefixes leave
+    splits idle."""
     def cost(splits: int) -> float:
-        return math.ceil(programs_per_split * splits / num_sms) / splits
+        return math.ceil(programs_per_split * splits / slots) / splits
 
-    return min(range(1, max_splits + 1), key=lambda splits: (cost(splits), splits))
+    best = min(cost(splits) for splits in range(1, max_splits + 1))
+    return next(s for s in range(1, max_splits + 1) if cost(s) <= SPLIT_TOLERANCE * best)
 
 
 def _check_inputs(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
@@ -395,7 +588,7 @@ def paged_tree_attention(
 
 def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, meta, scale,
                           sliding_window, logits_soft_cap, out, config: KernelConfig):
-    """The two Triton launches with explicit tiles (the benchmark sweeps ``config``).
+    """The two Triton launches with explicit parameters (the benchmark sweeps ``config``).
 
     Returns the split kernel's compiled handle (registers and spills for the benchmark).
     """
@@ -405,8 +598,8 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
     Hkv = key_cache.shape[2]
     G = Hq // Hkv
     S = config.num_splits
-    part_o = torch.empty(B, S + 1, N, Hq, D, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, S + 1, N, Hq, dtype=torch.float32, device=q.device)
+    part_o = torch.empty(B * Hkv, S, N * G, D, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B * Hkv, S, N * G, dtype=torch.float32, device=q.device)
     block_d = dot_block(D)
     window = sliding_window if sliding_window is not None else 0
     words = meta.ancestor_words
@@ -415,23 +608,29 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
         qk_scale, soft_cap = scale * LOG2E, 0.0
     else:
         qk_scale, soft_cap = scale * 2.0 * LOG2E / logits_soft_cap, logits_soft_cap * LOG2E
-    grid = (triton.cdiv(N * G, config.block_m), S + 1, B * Hkv)
+    common = (Hkv, G)
+    strides = (*q.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(),
+               *meta.depths.stride())
+    partial_strides = (*part_o.stride()[:3], *part_lse.stride()[:2])
+    flags = dict(HEAD_DIM=D, BLOCK_D=block_d, SOFT_CAP=logits_soft_cap is not None,
+                 SLIDING=sliding_window is not None, DOT_PRECISION=precision)
+    grid = (triton.cdiv(N * G, config.block_m), S, B * Hkv)
     split_kernel = _tree_attention_split_kernel[grid](
-        q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths, words,
+        q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths,
         part_o, part_lse,
-        Hkv, G, key_cache.shape[1], S, qk_scale, soft_cap, window,
-        *q.stride(), *key_cache.stride(), *value_cache.stride(), *block_table.stride(),
-        *meta.depths.stride(), *words.stride(), *part_o.stride()[:4], *part_lse.stride()[:3],
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        MIN_CHUNK=config.min_chunk, SOFT_CAP=logits_soft_cap is not None,
-        SLIDING=sliding_window is not None, DOT_PRECISION=precision,
+        *common, key_cache.shape[1], S, qk_scale, soft_cap, window,
+        *strides, *partial_strides,
+        EVEN_D=block_d == D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, MIN_CHUNK=config.min_chunk,
+        RESCALE_SLACK=config.rescale_slack, **flags,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    _tree_attention_merge_kernel[(B * N, Hq)](
-        part_o, part_lse, meta.num_nodes, out,
-        N, S + 1,
-        *part_o.stride()[:4], *part_lse.stride()[:3], *out.stride(),
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(S + 1),
+    block_t = min(32, dot_block(N))
+    _tree_attention_merge_kernel[(triton.cdiv(N * G, MERGE_ROWS), B * Hkv)](
+        q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths, words,
+        part_o, part_lse, out,
+        *common, N * G, key_cache.shape[1], qk_scale, soft_cap, window,
+        *strides, *words.stride(), *partial_strides, *out.stride(),
+        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, NUM_SPLITS=S, **flags,
         num_warps=4,
     )
     return split_kernel
