@@ -15,6 +15,10 @@ table took ~290 s of one call on 0.32):
 (GDN x3 + full attention) x2, the harness runs no MoE), a DFlash drafter and a random Weaver,
 with the tiny family's initialisation (vllm_tfm/tiny/gpu_models.py).
 
+`--models models/tiny_trained` runs the trained family instead (Qwen3-Next target with its
+one-expert MoE layer, through the harness's pure-torch `_moe_C` stand-in; its Weaver is the
+`weaver/` safetensors directory).
+
 `run` generates for a batch of prompts with no speculation, vLLM's own `dflash` and
 `dflash_tfm` (trees weaver / ddtree / chain, budgets 7 / 33 / 64), greedy and sampled
 (T=1, seeded), one engine per configuration in this process, and

@@ -29,15 +29,18 @@ if [ -z "$WHEEL" ]; then
   WHEEL=$(ls "$WORK"/vllm-"$V"-*.whl)
 fi
 # 1. pure-Python tree: drop every .so, the Rust binary, C/CUDA headers and web assets; write the op
-#    schemas of this version's _C_stable_libtorch for the stand-in; patch; tar
+#    schemas of this version's _C_stable_libtorch for the stand-in, check the MoE stand-in's
+#    against _moe_C_stable_libtorch; patch; tar
 T=$WORK/tree; rm -rf "$T"; mkdir -p "$T"
 (cd "$T" && unzip -q "$WHEEL" -x '*.so' 'vllm/vllm-rs' \
   && find vllm -type f \( -name '*.h' -o -name '*.hpp' -o -name '*.cuh' -o -name '*.inl' -o -name '*.cu' \
        -o -name '*.cpp' -o -name '*.js' -o -name '*.css' -o -name '*.jpg' \) -delete \
   && find vllm -type d -empty -delete && rm -f "vllm-$V.dist-info/RECORD")
-unzip -q -o "$WHEEL" vllm/_C_stable_libtorch.abi3.so -d "$WORK/so"
+unzip -q -o "$WHEEL" vllm/_C_stable_libtorch.abi3.so vllm/_moe_C_stable_libtorch.abi3.so -d "$WORK/so"
 python3 "$HERE/extract_schemas.py" "$WORK/so/vllm/_C_stable_libtorch.abi3.so" "$T/vllm" \
   "$T/vllm/_C_stable_libtorch_schemas.txt"
+python3 "$HERE/extract_schemas.py" --check "$WORK/so/vllm/_moe_C_stable_libtorch.abi3.so" \
+  "$HERE/_moe_C_stable_libtorch.py"
 python3 "$HERE/apply_patches.py" "$T"
 (cd "$T" && tar -cf - vllm "vllm-$V.dist-info" | gzip -6 > "$DEST/vllm_py.tgz")
 # 2. runtime deps missing from the GPU image, as cp312 manylinux wheels, no dependency resolution

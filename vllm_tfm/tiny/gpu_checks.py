@@ -59,6 +59,8 @@ CUDA_GRAPH_SETTINGS = {
 def configurations(models: Path) -> list[tuple[str, str | None, dict | None]]:
     """(label, tree kind or None, speculative_config) in priority order."""
     dflash = {"model": str(models / "dflash"), "attention_backend": "TRITON_ATTN"}
+    # `build` writes weaver.pth; the trained family (models/tiny_trained) a safetensors dir
+    weaver = models / "weaver" if (models / "weaver").is_dir() else models / "weaver.pth"
 
     def tfm(tree: str, budget: int) -> tuple[str, str, dict]:
         # Every step at the configured budget: under CUDA graphs only trees of
@@ -66,7 +68,7 @@ def configurations(models: Path) -> list[tuple[str, str | None, dict | None]]:
         config = {**dflash, "method": "dflash_tfm", "tree": tree, "num_speculative_tokens": budget,
                   "budget_by_batch": [[1 << 20, budget]]}
         if tree == "weaver":
-            config["weaver"] = str(models / "weaver.pth")
+            config["weaver"] = str(weaver)
         return f"dflash_tfm {tree} B={budget}", tree, config
 
     return [
@@ -238,7 +240,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         max_num_seqs = len(prompts)
         lengths = [max_tokens] * len(prompts)
         batching = f"{len(prompts)} prompts in one batch, {max_tokens} new tokens each"
-    header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: vLLM {vllm.__version__}, "
+    header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: models {models}, "
+              f"vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
               f"tau = mean accepted length incl. bonus (vLLM spec-decode counters); "
               f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}; "
