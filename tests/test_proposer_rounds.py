@@ -200,3 +200,35 @@ def test_sampled_rows_grammars_and_unbuilt_shapes_take_draft_trees(tree, monkeyp
     _same_tree(proposer._grow_trees(roots, [False] * 2, None, 8),
                _eager(proposer, roots, 8, validate=False))
     assert replays == []
+
+
+def test_the_capture_patch_captures_rounds_after_vllms_graphs_for_dflash_tfm_only():
+    from vllm.config import CUDAGraphMode
+
+    from vllm_tfm.vllm_glue.draft_graphs import wrap_capture_model
+
+    order = []
+
+    class Drafter:
+        num_rounds = 3
+
+        def prepare_rounds(self):
+            order.append("rounds")
+            return 7
+
+    def capture_model(runner):
+        order.append("vllm")
+        return 5
+
+    capture = wrap_capture_model(capture_model)
+
+    def runner(tfm: bool, mode=CUDAGraphMode.FULL_AND_PIECEWISE):
+        return SimpleNamespace(_tfm_options=TfmOptions() if tfm else None, drafter=Drafter(),
+                               compilation_config=SimpleNamespace(cudagraph_mode=mode))
+
+    assert capture(runner(True)) == 12 and order == ["vllm", "rounds"]
+    order.clear()
+    assert capture(runner(False)) == 5 and order == ["vllm"]
+    order.clear()
+    # No CUDA graphs configured: vLLM captures nothing, nor do the rounds (eager drafting).
+    assert capture(runner(True, CUDAGraphMode.NONE)) == 5 and order == ["vllm"]
