@@ -105,9 +105,11 @@ def family():
 @pytest.mark.parametrize("tree", ["weaver", "ddtree"])
 def test_greedy_stays_lossless_while_the_budget_follows_the_batch(family, tree, monkeypatch):
     """4 requests of 8, 16, 24 and 32 new tokens: the batch shrinks 4 -> 1 and the rule
-    moves the budget 2 -> 4 -> 8; every output equals no speculation (up to bf16 ties)."""
+    moves the budget 2 -> 4 -> 8, each step's trees grown by the draft round of its batch
+    bucket (1, 2, 4) and budget; every output equals no speculation (up to bf16 ties)."""
     from vllm import SamplingParams
 
+    from vllm_tfm.drafting.draft_round import DraftRound
     from vllm_tfm.tiny.engine_runs import PROMPTS, compare_greedy, cpu_engine, engine_greedy
     from vllm_tfm.vllm_glue import proposer
 
@@ -115,13 +117,22 @@ def test_greedy_stays_lossless_while_the_budget_follows_the_batch(family, tree, 
     lengths = [8, 16, 24, 32]
     baseline = engine_greedy(family.target, None, tuple(prompts), max_tokens=max(lengths))
     seen: set[tuple[int, int]] = set()
-    draft_trees = proposer.draft_trees
+    grow = proposer.TreeProposer._grow_trees
 
-    def recording(tree_kind, root_tokens, pools, budget, **kwargs):
+    def recording(self, root_tokens, sampled, seeds, budget):
         seen.add((root_tokens.shape[0], budget))
-        return draft_trees(tree_kind, root_tokens, pools, budget, **kwargs)
+        return grow(self, root_tokens, sampled, seeds, budget)
 
-    monkeypatch.setattr(proposer, "draft_trees", recording)
+    monkeypatch.setattr(proposer.TreeProposer, "_grow_trees", recording)
+    # Every step's trees come from the draft round of its bucket (vllm_glue/draft_graphs.py).
+    rounds: set[tuple[int, int, int]] = set()
+    call = DraftRound.__call__
+
+    def replay(self, root_tokens, *args, **kwargs):
+        rounds.add((root_tokens.shape[0], self.budget, self.batch))
+        return call(self, root_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(DraftRound, "__call__", replay)
     config = {"method": "dflash_tfm", "model": str(family.dflash), "tree": tree,
               "num_speculative_tokens": 8, "budget_by_batch": [[1, 8], [2, 4], [4, 2]]}
     if tree == "weaver":
@@ -141,3 +152,5 @@ def test_greedy_stays_lossless_while_the_budget_follows_the_batch(family, tree, 
     budgets = {budget for _, budget in seen}
     assert budgets == {2, 4, 8}, f"(batch, budget) drafted: {sorted(seen)}"
     assert all(budget == {1: 8, 2: 4}.get(batch, 2) for batch, budget in seen), sorted(seen)
+    assert rounds == {(batch, budget, {3: 4}.get(batch, batch)) for batch, budget in seen}, (
+        sorted(rounds))

@@ -145,8 +145,8 @@ def test_recoverable_faults_keep_every_request_lossless(family, baseline, monkey
     monkeypatch.setattr(proposer.TreeProposer, "scheduled_parents", _raise_once(
         proposer.TreeProposer.scheduled_parents,
         lambda self, req_id, count: _request_index(req_id) == 3, lost))
-    monkeypatch.setattr(proposer, "draft_trees", _raise_once(
-        proposer.draft_trees, lambda *args: len(drafting) == 4, drafting))
+    monkeypatch.setattr(proposer.TreeProposer, "_grow_trees", _raise_once(
+        proposer.TreeProposer._grow_trees, lambda *args: len(drafting) == 4, drafting))
     monkeypatch.setattr(verify, "verify_trees", _raise_once(
         verify.verify_trees, lambda *args: len(verification) == 2, verification))
     result = greedy_run(family.target, tfm_config(family, "weaver", 7), PROMPTS, 32)

@@ -209,13 +209,17 @@ def _collect(worker):
 
 def _set_tree(worker, tree: str, budget: int | None):
     """The benchmark's switch (see vllm_glue/proposer.py): this tree kind, and either one
-    budget for every batch or (None) the engine's own budget rule."""
+    budget for every batch or (None) the engine's own budget rule; then the proposer
+    builds the draft rounds the new setting picks (CUDA graphs, captured here between
+    measurements while no step runs; kept for later switches), so every setting drafts
+    as a served engine of that setting would."""
     drafter = getattr(worker, "worker", worker).model_runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
     table = None if budget is None else ((MAX_BATCH, budget),)
     drafter.options = dataclasses.replace(drafter.bench_options, tree=tree,
                                           budget_by_batch=table)
+    drafter.prepare_rounds()
 
 
 def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:

@@ -240,6 +240,11 @@ class DraftRound:
         batch: the bucket's request count; depth, pool_size: D and P of the pools.
         device: where the round runs; d_model (tree "weaver"): the width of
             h_v and the DFlash states, the Weaver's.
+        pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to capture
+            into, shared with other rounds: each round's intermediates live only
+            within its replay, so rounds replayed one at a time on one stream can
+            share theirs (as vLLM's graphs share one pool); outputs and input
+            buffers stay the round's own. None: a private pool.
     """
 
     def __init__(
@@ -256,6 +261,7 @@ class DraftRound:
         expand_width: int | None = None,
         backend: str = "auto",
         graph: bool = True,
+        pool=None,
     ):
         if tree not in TREE_KINDS:
             raise ValueError(f"tree must be one of {list(TREE_KINDS)}, got {tree!r}")
@@ -281,7 +287,7 @@ class DraftRound:
         self.graph = None
         self.output = None
         if graph and device.type == "cuda":
-            self._capture()
+            self._capture(pool)
 
     def _run(self) -> DraftTree:
         with torch.no_grad():
@@ -291,7 +297,7 @@ class DraftRound:
                 expand_width=self.expand_width, validate=False, backend=self.backend,
             )
 
-    def _capture(self) -> None:
+    def _capture(self, pool) -> None:
         # Warm up on a side stream first: Triton compiles and cuBLAS picks its
         # workspaces outside the capture.
         side = torch.cuda.Stream()
@@ -301,7 +307,7 @@ class DraftRound:
                 self._run()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+        with torch.cuda.graph(self.graph, pool=pool):
             self.output = self._run()
 
     def __call__(

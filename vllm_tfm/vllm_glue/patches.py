@@ -142,6 +142,13 @@ PATCHES: tuple[Patch, ...] = (
         "the others",
     ),
     Patch(
+        _RUNNER, "GPUModelRunner.capture_model", f"{_GLUE}.draft_graphs:wrap_capture_model",
+        "after vLLM captures its CUDA graphs, capture the tree proposer's draft rounds (one "
+        "graph per tree kind, budget and batch bucket), which it replays instead of "
+        "launching each round's ~17 Weaver calls eagerly",
+        cuda_only=True,
+    ),
+    Patch(
         _RUNNER, "GPUModelRunner.take_draft_token_ids",
         f"{_GLUE}.runner:wrap_take_draft_token_ids",
         "trees smaller than the budget are padded with -1 on the device: drop it",

@@ -7,6 +7,11 @@ the argmax of each marginal it keeps the top-``candidate_pool`` ids and
 logits of each of the D draft positions and grows a tree from them, both
 through the drafting core's draft round (``vllm_tfm/drafting/draft_round.py``).
 
+Deterministic trees grow through ``DraftRound``s, one per (tree kind, budget, batch
+bucket), captured as CUDA graphs right after vLLM captures its own (draft_graphs.py says
+when rounds are built and how they are bucketed) and run eagerly off CUDA. Sampled-children
+trees, grammar-constrained rounds and steps with no built round take ``draft_trees``.
+
 Under tensor parallelism every rank runs the (sharded) drafter, whose logits vLLM
 gathers whole on every rank, but only the group's first rank grows the trees, and
 broadcasts them: vLLM schedules that rank's drafts, and every rank must score and
@@ -17,7 +22,8 @@ Each step's tree budget comes from the number of running requests
 num_speculative_tokens); trees are padded to num_speculative_tokens drafts with -1,
 which the runner drops. ``self.options`` is read afresh every step, so a benchmark may
 replace it between steps (tools/bench_speed.py switches tree kind and budget table in
-one engine; tree "weaver" needs an engine started with a Weaver).
+one engine, then calls ``prepare_rounds``; tree "weaver" needs an engine started with a
+Weaver).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from vllm_tfm.drafting.draft_round import (
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import TfmOptions
+from vllm_tfm.vllm_glue.draft_graphs import DraftRounds
 from vllm_tfm.vllm_glue.verify import request_seeds, sampled_tree_requests
 
 
@@ -94,11 +101,18 @@ class TreeProposer(DFlashProposer):
         self._drafted = False
         self._grammars = None  # grammar.DraftGrammars, once a structured request drafts
         self._step_tokens = None
+        self._rounds: DraftRounds | None = None  # on the rank that grows trees
 
     def load_model(self, target_model) -> None:
         super().load_model(target_model)
-        if self.options.tree != "weaver":
-            return
+        if self.options.tree == "weaver":
+            self._load_weaver(target_model)
+        if self.device.type != "cuda":
+            # No graphs to capture here: the rounds' buffers run eagerly (on CUDA the
+            # rounds are captured with vLLM's graphs, draft_graphs.wrap_capture_model).
+            self.prepare_rounds()
+
+    def _load_weaver(self, target_model) -> None:
         from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 
         embed, head = _embedding_and_head(target_model)
@@ -112,6 +126,30 @@ class TreeProposer(DFlashProposer):
         weaver.prepare_tables(embed, head)
         self.weaver = weaver
         self.draft_depth = draft_depth(self.options.budget, self.options.draft_depth, weaver)
+
+    def prepare_rounds(self, tree: str | None = None) -> int:
+        """Build the draft rounds of tree kind ``tree`` (None: ``options.tree``) for every
+        (budget, batch bucket) the current options' budget rule picks up to max_num_seqs;
+        on CUDA each is captured as a CUDA graph. Rounds built before are kept.
+
+        vLLM's graph capture calls it (``draft_graphs.wrap_capture_model``), and so may a
+        tool right after replacing ``self.options`` (``benchmarks/speed.py::_set_tree``),
+        while no step runs: never call it mid-step. Returns the device bytes the new
+        rounds took (0 off CUDA, and on tensor-parallel ranks that do not grow trees).
+        """
+        if get_tp_group().rank_in_group != 0:
+            return 0
+        if self._rounds is None:
+            # The pools' P: candidate_pool, which the config resolved within the vocabulary.
+            self._rounds = DraftRounds(self.vllm_config.scheduler_config.max_num_seqs,
+                                       self.draft_depth, self.options.candidate_pool,
+                                       self.device, self.weaver)
+        return self._rounds.prepare(self.options, tree or self.options.tree)
+
+    @property
+    def num_rounds(self) -> int:
+        """Draft rounds built so far."""
+        return 0 if self._rounds is None else len(self._rounds.rounds)
 
     # -- called by the runner hooks -------------------------------------------
 
@@ -227,6 +265,14 @@ class TreeProposer(DFlashProposer):
         ``sampled[b]``: row b gets a tree whose children are sampled, with seed
         ``seeds[b]`` (see ``verify.sampled_tree_requests``).
         """
+        constraint = self._grammar_constraint(root_tokens.shape[0])
+        # A round replays draft_trees' deterministic, unconstrained round (a constraint
+        # reads the host; sampled trees draw per request).
+        round_ = None
+        if self._rounds is not None and constraint is None and not any(sampled):
+            round_ = self._rounds.find(self.options, budget, self._pools)
+        if round_ is not None:
+            return round_(root_tokens, self._pools, self._target_hidden, self._dflash_hidden)
         # Pools come from top-k and nodes from the builders: no host-side checks.
         build = draft_trees if not any(sampled) else partial(draft_trees_per_request,
                                                              sampled=sampled, seeds=seeds)
@@ -234,7 +280,7 @@ class TreeProposer(DFlashProposer):
             self.options.tree, root_tokens, self._pools, budget,
             weaver=self.weaver, h_v=self._target_hidden, dflash_hidden=self._dflash_hidden,
             fanout=self.options.fanout, expand_width=self.options.expand_width_for(budget),
-            validate=False, constraint=self._grammar_constraint(root_tokens.shape[0]),
+            validate=False, constraint=constraint,
         )
 
     def set_step_tokens(self, sampled_token_ids) -> None:
