@@ -21,6 +21,7 @@ from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform, d
 from vllm_tfm.drafting.verifiers import (
     ORDER_STREAM,
     TraversalPlan,
+    _finish,
     target_only_walk,
     traversal_plan,
     traversal_walk,
@@ -581,6 +582,10 @@ def test_greedy_is_the_argmax_walk(shape, seed, gen):
         assert int(result.accepted_leaf[r]) == node
         assert int(result.bonus_token[r]) == x
         assert int(result.accepted_len[r]) == int(tree.depths[r, node])
+    # The path read off the chain of matches is the one walked up from the leaf.
+    walked = _finish(tree, result.accepted_leaf, result.bonus_token)
+    assert torch.equal(result.path, walked.path)
+    assert torch.equal(result.output_tokens, walked.output_tokens)
 
 
 # -- reproducibility and batching -------------------------------------------------

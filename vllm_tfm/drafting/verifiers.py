@@ -124,10 +124,29 @@ def sample_index(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
 
 
 def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) -> VerifyResult:
-    """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs."""
+    """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs.
+
+    The walk of :func:`_descend` with every node's argmax known up front, in a fixed
+    number of tensor ops (no step per depth, which on a GPU is a host-bound loop): a
+    node is on the accepted path iff its token is its parent's argmax and so is every
+    ancestor's. Sibling tokens are distinct, so at most one child of a node matches
+    and those nodes form one chain from the root: the leaf is its deepest node.
+    """
     _check_target(tree, target, "target", validate)
-    batch = torch.arange(tree.batch_size, device=target.device)
-    return _descend(tree, lambda node: target[batch, node].argmax(-1))
+    picks = target.argmax(-1)  # [R, N]
+    parents = tree.parents.long()
+    node = _node_ids(tree)
+    on_path = (parents >= 0) & (tree.tokens == picks.gather(1, parents.clamp(min=0)))
+    on_path = (on_path & (node < tree.num_nodes.view(-1, 1))) | (node == 0)
+    # Pointer jumping: after k rounds each node has checked its 2^k nearest ancestors.
+    jump = parents
+    for _ in range(max(1, tree.max_depth.bit_length())):
+        has_jump = jump >= 0
+        at = jump.clamp(min=0)
+        on_path = on_path & (on_path.gather(1, at) | ~has_jump)
+        jump = torch.where(has_jump, jump.gather(1, at), jump)
+    leaf = torch.where(on_path, tree.depths.long(), -1).argmax(-1)
+    return _finish(tree, leaf, picks.gather(1, leaf[:, None])[:, 0], on_path)
 
 
 def verify_target_only(
@@ -431,18 +450,26 @@ def _descend(tree: DraftTree, pick) -> VerifyResult:
     return _finish(tree, node, bonus)
 
 
-def _finish(tree: DraftTree, leaf: torch.Tensor, bonus: torch.Tensor) -> VerifyResult:
+def _finish(tree: DraftTree, leaf: torch.Tensor, bonus: torch.Tensor,
+            on_path: torch.Tensor | None = None) -> VerifyResult:
+    """The result of stopping at ``leaf`` with ``bonus``; ``on_path`` [R, N] bool, the
+    root-to-leaf nodes where the caller knows them (else walked up from the leaf)."""
     R = tree.batch_size
     width = tree.max_depth + 1
     device = leaf.device
     path = torch.full((R, width + 1), -1, dtype=torch.int64, device=device)
     parents, depths = tree.parents.long(), tree.depths.long()
-    node = leaf
-    for _ in range(width):
-        real = node >= 0
-        at = node.clamp(min=0)[:, None]
-        path.scatter_(1, torch.where(real[:, None], depths.gather(1, at), width), node[:, None])
-        node = torch.where(real, parents.gather(1, at)[:, 0], -1)
+    if on_path is not None:
+        # Column ``width`` collects the other nodes and is dropped.
+        path.scatter_(1, torch.where(on_path, depths, width), _node_ids(tree))
+    else:
+        node = leaf
+        for _ in range(width):
+            real = node >= 0
+            at = node.clamp(min=0)[:, None]
+            path.scatter_(1, torch.where(real[:, None], depths.gather(1, at), width),
+                          node[:, None])
+            node = torch.where(real, parents.gather(1, at)[:, 0], -1)
     path = path[:, :width]
     length = depths.gather(1, leaf[:, None])[:, 0]
     on_path = torch.where(path >= 0, tree.tokens.gather(1, path.clamp(min=0)), -1)
