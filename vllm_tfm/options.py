@@ -104,16 +104,21 @@ def default_expand_width(budget: int) -> int:
     return max(1, min(-(-budget // 16), MAX_EXPAND_WIDTH))
 
 
+def powers_of_two_up_to(limit: int) -> tuple[int, ...]:
+    """The powers of two below ``limit``, and ``limit`` itself, ascending."""
+    values = {limit}
+    value = 1
+    while value < limit:
+        values.add(value)
+        value *= 2
+    return tuple(sorted(values))
+
+
 def budget_levels(max_budget: int) -> tuple[int, ...]:
     """The tree budgets a per-step rule may pick under ``max_budget``: the powers of two
     below it, and itself. Few and discrete on purpose: a runner that replays CUDA graphs
     captures one uniform batch of 1 + budget tokens per request for each level."""
-    levels = {max_budget}
-    level = 1
-    while level < max_budget:
-        levels.add(level)
-        level *= 2
-    return tuple(sorted(levels))
+    return powers_of_two_up_to(max_budget)
 
 
 def default_budget_table(max_budget: int, draft_depth: int = DFLASH_DRAFT_DEPTH,

@@ -40,7 +40,7 @@ from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 
 from vllm_tfm.drafting.draft_round import CandidatePools, DraftRound
-from vllm_tfm.options import TfmOptions
+from vllm_tfm.options import TfmOptions, powers_of_two_up_to
 
 logger = init_logger(__name__)
 
@@ -49,12 +49,7 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
     """The batch sizes rounds are built for: powers of two below ``max_batch``, and it."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive int, got {max_batch!r}")
-    buckets = {max_batch}
-    bucket = 1
-    while bucket < max_batch:
-        buckets.add(bucket)
-        bucket *= 2
-    return tuple(sorted(buckets))
+    return powers_of_two_up_to(max_batch)
 
 
 def bucket_for(buckets: tuple[int, ...], batch: int) -> int | None:
