@@ -79,6 +79,9 @@ class GraphedTreeSteps:
         self.conv_width = conv_width
         self.device = device
         self.steps: dict[int, TreeStep] = {}
+        # (captured request count, a step's request count) -> that graph's commit records
+        # cut to the step's requests.
+        self._cut_records: dict[tuple[int, int], dict] = {}
 
     def for_capture(self, num_tokens: int) -> TreeStep:
         """The step active while vLLM warms up and captures ``num_tokens`` tokens of
@@ -89,6 +92,7 @@ class GraphedTreeSteps:
                 f"dflash_tfm: vLLM captures a uniform decode graph of {num_tokens} tokens, "
                 f"not a multiple of 1 + num_speculative_tokens = {self.num_nodes}"
             )
+        self._cut_records.clear()  # a capture writes the records anew
         step = self.steps.get(num_reqs)
         if step is None:
             step = capture_step(num_reqs, self.num_nodes, self.conv_width, self.device)
@@ -96,20 +100,21 @@ class GraphedTreeSteps:
         return step
 
     def bind(self, step: TreeStep, num_reqs_padded: int) -> None:
-        """Copy ``step``'s trees into the buffers the graph of ``num_reqs_padded``
-        requests replays over, and give ``step`` that graph's commit records."""
-        graph_step = self.steps.get(num_reqs_padded)
-        if graph_step is None:
-            raise RuntimeError(
-                f"dflash_tfm: vLLM replays a FULL graph of {num_reqs_padded} requests that "
-                f"was not captured with a tree step (captured: {sorted(self.steps)})"
-            )
+        """Copy ``step``'s trees into the buffers the captured graph of
+        ``num_reqs_padded`` requests replays over, and give ``step`` that graph's commit
+        records cut to its requests (views of those buffers, made once per count)."""
+        graph_step = self.steps[num_reqs_padded]
         num_reqs = len(step.req_ids)
         for field in dataclasses.fields(TreeMetadata):
             getattr(graph_step.meta, field.name)[:num_reqs].copy_(getattr(step.meta, field.name))
         graph_step.prefix_lens[:num_reqs].copy_(step.prefix_lens)
-        step.gdn_records = {
-            name: record.first_requests(num_reqs, step.meta, step.tree_nodes.requests)
-            for name, record in graph_step.gdn_records.items()
-        }
-
+        key = (num_reqs_padded, num_reqs)
+        records = self._cut_records.get(key)
+        if records is None:
+            meta = TreeMetadata(**{field.name: getattr(graph_step.meta, field.name)[:num_reqs]
+                                   for field in dataclasses.fields(TreeMetadata)})
+            requests = graph_step.tree_nodes.requests[:num_reqs]
+            records = {name: record.first_requests(num_reqs, meta, requests)
+                       for name, record in graph_step.gdn_records.items()}
+            self._cut_records[key] = records
+        step.gdn_records = dict(records)
