@@ -140,7 +140,18 @@ def test_a_bound_step_scores_and_commits_as_the_eager_step(gen, num_reqs, padded
     assert torch.allclose(replayed_out[: num_reqs * num_nodes], eager_out, atol=1e-6, rtol=1e-5)
 
     leaf = torch.randint(num_nodes, (num_reqs,), generator=gen)
-    commit_gdn_records(step.gdn_records.values(), leaf)
+    # The bound step commits over its graph's buffers (the leaves copied into them).
+    step.accepted_leaf = leaf.clone()
+    committed = []
+
+    def commit(fixed):
+        committed.append(fixed)
+        commit_gdn_records(fixed.gdn_records.values(), fixed.accepted_leaf)
+
+    graphs.commit(step, commit)
+    assert len(committed) == 1 and torch.equal(committed[0].accepted_leaf, leaf)
+    assert committed[0].accepted_leaf.data_ptr() != step.accepted_leaf.data_ptr()
+    assert committed[0].meta.parents.data_ptr() == captured_step.meta.parents.data_ptr()
     commit_gdn_records(eager.gdn_records.values(), leaf)
     assert torch.allclose(graph_ssm, eager_ssm, atol=1e-6, rtol=1e-5)
     assert torch.allclose(graph_conv, eager_conv, atol=1e-6, rtol=1e-5)

@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
     parser.add_argument("--deadline-s", type=float, default=1e9)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile each engine's first cell (host by function, "
+                             "kernels) into OUT/profile_<engine>.txt")
     parser.add_argument("--merge", nargs="+", type=Path,
                         help="only write OUT's report from these runs' bench_speed.json "
                              "(each method from the last run that measured it)")
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
-               args.work, args.deadline_s)
+               args.work, args.deadline_s, args.profile)
     print(text)
     return 1 if "FAILED:" in text else 0
 

@@ -33,6 +33,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -334,6 +335,39 @@ def measure_cell(session: Session, steps: int) -> dict:
     return cell
 
 
+def profile_cell(session: Session, steps: int, path: Path) -> None:
+    """``steps`` engine steps under cProfile (where the host's time goes, by function), then
+    as many under torch's profiler (kernels: device time against the steps' wall time, which
+    says how host-bound a step is); both tables to ``path``."""
+    import cProfile
+    import io
+    import pstats
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    host = cProfile.Profile()
+    host.enable()
+    for _ in range(steps):
+        session.step()
+    host.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    with profile(activities=activities) as trace:
+        wall = sum(session.step() for _ in range(steps)) * 1e3
+    events = trace.key_averages()
+    device_ms = sum(event.self_device_time_total for event in events) / 1e3
+    text.write(f"\ntorch profiler, {steps} steps: wall {wall:.2f} ms, device (sum of kernel "
+               f"self times) {device_ms:.2f} ms\n")
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        text.write(events.table(sort_by=key, row_limit=40) + "\n")
+    path.write_text(text.getvalue())
+
+
 def engine_budgets(settings, budgets: tuple[int, ...]) -> list[tuple[int, list]]:
     """dflash_tfm's engines: (num_speculative_tokens, the settings it measures), one per
     budget, since vLLM replays its FULL graphs only for trees of num_speculative_tokens
@@ -352,10 +386,12 @@ def engine_label(result: dict) -> str:
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
-               deadline: float, log, budget: int | None = None) -> dict:
+               deadline: float, log, budget: int | None = None,
+               profile_dir: Path | None = None) -> dict:
     """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
-    setting; the engine's memory capacity."""
+    setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
+    is also profiled (``profile_cell``) into a file there."""
     import torch
     from vllm import LLM
 
@@ -407,6 +443,11 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                     setting = f"{tree} {budget or 'rule'}" if tree else ""
                     log(f"  {method} ctx {context} B {cell['batch']} {setting}: period "
                         f"{cell['period_ms']:.2f} ms ({phases})")
+                    if profile_dir is not None and len(result["cells"]) == 1:
+                        name = re.sub(r"[^\w.-]+", "_", engine_label(result)).strip("_")
+                        path = profile_dir / f"profile_{name}.txt"
+                        profile_cell(session, shapes.steps, path)
+                        log(f"  profiled {shapes.steps} steps of that cell: {path}")
             session.close()
     finally:
         del llm
@@ -605,9 +646,9 @@ def merge_reports(paths: list[Path], out: Path) -> str:
 
 
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
-        out: Path, work: Path, deadline_s: float) -> str:
+        out: Path, work: Path, deadline_s: float, profile: bool = False) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
-    report is rewritten after each."""
+    report is rewritten after each. ``profile``: each engine's first cell profiled too."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     import torch
@@ -643,7 +684,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
             continue
         try:
             results.append(run_method(method, models, shapes, runner, settings,
-                                      started + deadline_s, log, budget))
+                                      started + deadline_s, log, budget,
+                                      out if profile else None))
         except Exception as error:  # keep the other engines' numbers
             import traceback
 

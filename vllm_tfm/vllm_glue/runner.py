@@ -294,7 +294,10 @@ def wrap_update_states_after_model_execute(original):
 
         failed = torch.zeros(len(step.req_ids), dtype=torch.int32)
         try:
-            commit_step(self, step)
+            if step.graph_size is None:
+                commit_step(self, step)
+            else:  # a step that replayed a FULL graph commits through that size's buffers
+                self._tfm_graphs.commit(step, functools.partial(commit_step, self))
         except Exception:
             written = written_requests(step)
             _report_fault("committing the accepted paths", [step.req_ids[r] for r in written],

@@ -16,12 +16,17 @@ alone. Any other step (prompt chunks, smaller trees, a lost tree) runs eagerly.
 The GDN layers leave their commit records in the step they run with: during
 capture, records whose tensors are graph memory that every replay of that
 graph rewrites. The replayed step commits through those records, cut to its
-own requests (:meth:`~.tree_step.GDNCommitRecord.first_requests`).
+own requests (:meth:`~.tree_step.GDNCommitRecord.first_requests`), and so its
+commit reads nothing but fixed buffers and the accepted leaves: on CUDA it is
+a graph of its own per (captured size, request count) (:meth:`GraphedTreeSteps.
+commit`), since eagerly its ~100 small kernel launches cost the host ~8 ms a
+step at Qwen3.6-27B's 64 layers (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -79,9 +84,13 @@ class GraphedTreeSteps:
         self.conv_width = conv_width
         self.device = device
         self.steps: dict[int, TreeStep] = {}
-        # (captured request count, a step's request count) -> that graph's commit records
-        # cut to the step's requests.
-        self._cut_records: dict[tuple[int, int], dict] = {}
+        # By captured request count: the accepted leaves a commit graph reads.
+        self._accepted_leaf: dict[int, torch.Tensor] = {}
+        # (captured request count, a step's request count) -> that graph's metadata and
+        # commit records cut to the step's requests; the commit graph over them.
+        self._cut: dict[tuple[int, int], tuple[TreeMetadata, dict]] = {}
+        self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._commit_pool = None
 
     def for_capture(self, num_tokens: int) -> TreeStep:
         """The step active while vLLM warms up and captures ``num_tokens`` tokens of
@@ -92,11 +101,15 @@ class GraphedTreeSteps:
                 f"dflash_tfm: vLLM captures a uniform decode graph of {num_tokens} tokens, "
                 f"not a multiple of 1 + num_speculative_tokens = {self.num_nodes}"
             )
-        self._cut_records.clear()  # a capture writes the records anew
+        # A capture writes the records anew: cuts and commit graphs over old ones go.
+        self._cut.clear()
+        self._commit_graphs.clear()
         step = self.steps.get(num_reqs)
         if step is None:
             step = capture_step(num_reqs, self.num_nodes, self.conv_width, self.device)
             self.steps[num_reqs] = step
+            self._accepted_leaf[num_reqs] = torch.zeros(num_reqs, dtype=torch.int64,
+                                                        device=self.device)
         return step
 
     def bind(self, step: TreeStep, num_reqs_padded: int) -> None:
@@ -108,13 +121,47 @@ class GraphedTreeSteps:
         for field in dataclasses.fields(TreeMetadata):
             getattr(graph_step.meta, field.name)[:num_reqs].copy_(getattr(step.meta, field.name))
         graph_step.prefix_lens[:num_reqs].copy_(step.prefix_lens)
+        step.gdn_records = dict(self._cut_to(num_reqs_padded, num_reqs)[1])
+        step.graph_size = num_reqs_padded
+
+    def _cut_to(self, num_reqs_padded: int, num_reqs: int) -> tuple[TreeMetadata, dict]:
+        """The metadata and commit records of the graph of ``num_reqs_padded`` requests
+        cut to its first ``num_reqs`` (views of its buffers, made once per count)."""
         key = (num_reqs_padded, num_reqs)
-        records = self._cut_records.get(key)
-        if records is None:
+        cut = self._cut.get(key)
+        if cut is None:
+            graph_step = self.steps[num_reqs_padded]
             meta = TreeMetadata(**{field.name: getattr(graph_step.meta, field.name)[:num_reqs]
                                    for field in dataclasses.fields(TreeMetadata)})
             requests = graph_step.tree_nodes.requests[:num_reqs]
             records = {name: record.first_requests(num_reqs, meta, requests)
                        for name, record in graph_step.gdn_records.items()}
-            self._cut_records[key] = records
-        step.gdn_records = dict(records)
+            cut = self._cut[key] = (meta, records)
+        return cut
+
+    def commit(self, step: TreeStep, commit: Callable[[TreeStep], None]) -> None:
+        """Commit a bound ``step`` (its accepted leaves set) by ``commit`` run over the
+        buffers of its graph, so that the same launches serve every step of that size
+        and count: on CUDA they are captured as a CUDA graph the first time that
+        (size, count) commits (which runs eagerly, compiling any kernel first) and
+        replayed after."""
+        num_reqs = len(step.req_ids)
+        key = (step.graph_size, num_reqs)
+        leaf = self._accepted_leaf[step.graph_size][:num_reqs]
+        leaf.copy_(step.accepted_leaf)
+        graph = self._commit_graphs.get(key)
+        if graph is not None:
+            graph.replay()
+            return
+        meta, records = self._cut_to(*key)
+        fixed = dataclasses.replace(step, meta=meta, accepted_leaf=leaf, gdn_records=records,
+                                    prefix_lens=self.steps[step.graph_size].prefix_lens[:num_reqs])
+        commit(fixed)
+        if self.device.type == "cuda":
+            if self._commit_pool is None:
+                self._commit_pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._commit_pool,
+                                  capture_error_mode="thread_local"):
+                commit(fixed)
+            self._commit_graphs[key] = graph

@@ -136,6 +136,9 @@ class TreeStep:
     # before a graph capture) replaces its layers' records.
     gdn_records: dict[str, GDNCommitRecord] = dataclasses.field(default_factory=dict)
     accepted_leaf: torch.Tensor | None = None  # [R], set by the verifier
+    # The captured size whose FULL graph this step replays (GraphedTreeSteps.bind); None:
+    # the step runs eagerly.
+    graph_size: int | None = None
     # [R] bool, requests whose tree was lost after vLLM scheduled its drafts (see
     # runner._build_step): their nodes are scored as a chain, which keeps every layer's
     # input well-formed, and only the root is verified (its bonus token is exact, the
