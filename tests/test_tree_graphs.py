@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from triton_ops.testing import random_tree_batch
+from vllm_tfm.options import MAX_BATCH, TfmOptions, budget_for_batch
 from vllm_tfm.vllm_glue.attention import tree_attention_rows
 from vllm_tfm.vllm_glue.commit import commit_gdn_records
 from vllm_tfm.vllm_glue.gdn import tree_gdn_core
@@ -28,7 +29,7 @@ from vllm_tfm.vllm_glue.runner import (
     wrap_determine_batch_execution_and_padding,
     wrap_warmup_and_capture,
 )
-from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, graphable
+from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, budget_rule_for_graphs, graphable
 from vllm_tfm.vllm_glue.tree_step import StepSlot
 
 SHAPES = ("chain", "star", "bushy", "random")
@@ -270,3 +271,16 @@ def test_full_decode_graphs_are_captured_with_their_tree_step(gen):
     assert runner._tfm_slot.step is None and runner._tfm_step is held
     with pytest.raises(RuntimeError, match="not a multiple of 1 \\+ num_speculative_tokens"):
         wrapped(runner, SimpleNamespace(uniform=True, num_tokens=16), CUDAGraphMode.FULL)
+
+
+def test_full_decode_graphs_pin_the_default_budget_rule_only():
+    default = TfmOptions(budget=64, tree="ddtree")
+    assert [default.step_budget(b) for b in (1, 2, 3)] == [64, 32, 16]  # the cost model
+    pinned = budget_rule_for_graphs(default, full_decode_graphs=True)
+    assert pinned.budget_by_batch == ((MAX_BATCH, 64),)
+    assert {pinned.step_budget(b) for b in (1, 2, 3, 8, 256)} == {64}
+    # Without FULL decode graphs, or with a table the user chose, nothing changes.
+    assert budget_rule_for_graphs(default, full_decode_graphs=False) is default
+    chosen = TfmOptions(budget=64, tree="ddtree", budget_by_batch=((2, 64), (MAX_BATCH, 32)))
+    assert budget_rule_for_graphs(chosen, full_decode_graphs=True) is chosen
+    assert budget_for_batch(chosen.budget_table, 3) == 32

@@ -179,9 +179,9 @@ def engine_kwargs(shapes: Shapes, runner: str, query_len: int = 1 + DFLASH_DRAFT
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
     graphs = CUDA_GRAPH_SETTINGS["full-decode"]
-    compilation = {**graphs["compilation_config"],
-                   "cudagraph_capture_sizes": sorted({b * m for b in shapes.batches
-                                                      for m in (1, query_len)})}
+    sizes = sorted({b * m for b in shapes.batches for m in (1, query_len)})
+    compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
+                   "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
             "load_format": "dummy", "max_num_batched_tokens": 8192,
             "gpu_memory_utilization": 0.95}

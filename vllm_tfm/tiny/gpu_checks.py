@@ -48,11 +48,15 @@ ENGINE_KWARGS = dict(
 # Compilation settings by --cudagraphs. "default" is vLLM's own (torch.compile, FULL and
 # PIECEWISE graphs), minus the harness's need for pure-torch custom ops; "full-decode" is
 # the cheapest graphed setting the harness runs (no torch.compile, full decode graphs).
+# Captures up to 1024 tokens (vLLM's default stops at 512): 8 prompts of a budget-64 tree
+# are 520 tokens a step, which must replay a FULL graph too.
 CUDA_GRAPH_SETTINGS = {
     "off": {},
     "full-decode": dict(enforce_eager=False, compilation_config={
-        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"]}),
-    "default": dict(enforce_eager=False, compilation_config={"custom_ops": ["none"]}),
+        "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
+        "max_cudagraph_capture_size": 1024}),
+    "default": dict(enforce_eager=False, compilation_config={
+        "custom_ops": ["none"], "max_cudagraph_capture_size": 1024}),
 }
 
 

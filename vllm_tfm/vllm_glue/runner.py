@@ -46,7 +46,11 @@ from vllm.logger import init_logger
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.grammar import attach_tree_parents
-from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, graphable
+from vllm_tfm.vllm_glue.tree_graphs import (
+    GraphedTreeSteps,
+    budget_rule_for_graphs,
+    graphable,
+)
 from vllm_tfm.vllm_glue.tree_step import TreeStep, install_step_slot, request_nodes
 
 logger = init_logger(__name__)
@@ -69,9 +73,18 @@ def wrap_init(original):
     @functools.wraps(original)
     def __init__(self, vllm_config, device, *args, **kwargs):
         original(self, vllm_config, device, *args, **kwargs)
-        self._tfm_options = tfm_options(vllm_config)
-        if self._tfm_options is None:
+        options = tfm_options(vllm_config)
+        if options is None:
+            self._tfm_options = None
             return
+        full_decode_graphs = (self.device.type == "cuda" and
+                              self.compilation_config.cudagraph_mode.decode_mode()
+                              == CUDAGraphMode.FULL)
+        self._tfm_options = budget_rule_for_graphs(options, full_decode_graphs)
+        if self._tfm_options is not options:
+            logger.info("dflash_tfm: FULL decode graphs hold trees of %d drafts only: every "
+                        "step drafts that budget (set budget_by_batch to choose otherwise)",
+                        options.budget)
         from vllm_tfm.vllm_glue.proposer import TreeProposer
 
         self.drafter = TreeProposer(vllm_config, device, self, self._tfm_options)

@@ -32,7 +32,22 @@ import numpy as np
 import torch
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from vllm_tfm.options import MAX_BATCH, TfmOptions
 from vllm_tfm.vllm_glue.tree_step import RequestNodes, TreeStep
+
+
+def budget_rule_for_graphs(options: TfmOptions, full_decode_graphs: bool) -> TfmOptions:
+    """The options a runner drafts with: under FULL decode graphs, the default budget
+    rule becomes the full budget at every batch size.
+
+    V1 captures its uniform decode graphs for one query length, 1 + num_speculative_tokens,
+    so the rule's smaller trees would run eagerly — slower than the graphed full budget
+    (H200, Qwen3.6-27B shapes, 8 requests: 124 ms a step at budget 64 graphed against 214
+    ms at the rule's 16 eager, BENCHMARKS.md). A table the user gave is kept as given.
+    """
+    if not full_decode_graphs or options.budget_by_batch is not None:
+        return options
+    return dataclasses.replace(options, budget_by_batch=((MAX_BATCH, options.budget),))
 
 
 def capture_step(num_reqs: int, num_nodes: int, conv_width: int,
