@@ -30,10 +30,13 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
+from vllm.logger import init_logger
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 from vllm_tfm.options import MAX_BATCH, TfmOptions
 from vllm_tfm.vllm_glue.tree_step import RequestNodes, TreeStep
+
+logger = init_logger(__name__)
 
 
 def budget_rule_for_graphs(options: TfmOptions, full_decode_graphs: bool) -> TfmOptions:
@@ -105,6 +108,7 @@ class GraphedTreeSteps:
         # commit records cut to the step's requests; the commit graph over them.
         self._cut: dict[tuple[int, int], tuple[TreeMetadata, dict]] = {}
         self._commit_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._eager_commits: set[tuple[int, int]] = set()  # whose capture failed
         self._commit_pool = None
 
     def for_capture(self, num_tokens: int) -> TreeStep:
@@ -172,11 +176,18 @@ class GraphedTreeSteps:
         fixed = dataclasses.replace(step, meta=meta, accepted_leaf=leaf, gdn_records=records,
                                     prefix_lens=self.steps[step.graph_size].prefix_lens[:num_reqs])
         commit(fixed)
-        if self.device.type == "cuda":
-            if self._commit_pool is None:
-                self._commit_pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
+        if self.device.type != "cuda" or key in self._eager_commits:
+            return
+        if self._commit_pool is None:
+            self._commit_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
             with torch.cuda.graph(graph, pool=self._commit_pool,
                                   capture_error_mode="thread_local"):
                 commit(fixed)
-            self._commit_graphs[key] = graph
+        except Exception:  # the step is committed already: later ones commit eagerly
+            logger.exception("dflash_tfm: capturing the commit of %d requests (graph of %d) "
+                             "failed; that commit stays eager", num_reqs, step.graph_size)
+            self._eager_commits.add(key)
+            return
+        self._commit_graphs[key] = graph
