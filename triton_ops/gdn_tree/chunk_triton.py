@@ -70,7 +70,7 @@ MIN_BLOCK_V = 32
 
 # Largest node count the tile kernel holds in one tile.
 TILE_MAX_NODES = 64
-VERIFY_KERNELS = ("tile", "split")
+VERIFY_KERNELS = ("tile", "split", "staged")
 
 
 def default_verify_kernel(NP: int) -> str:
@@ -175,6 +175,23 @@ def dot_parts(x, hi, mid, lo, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, NATI
 
 
 @triton.jit
+def state_product(x, rows, n_rows, stride_xn, stride_xk, state, cv, stride_sk, stride_sv, K, V,
+                  R: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
+                  PREC: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+    """(``x_rows S0`` [R, BV] for the state columns ``cv``, the rows' squared norms),
+    in K chunks of BKC, the state through :func:`bf16_parts` / :func:`dot_parts`."""
+    xs = tl.zeros([R, BV], dtype=tl.float32)
+    x_sq = tl.zeros([R], dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        ck = j * BKC + tl.arange(0, BKC)
+        s_hi, s_mid, s_lo = bf16_parts(load_rows(state, ck, cv, stride_sk, stride_sv, K, V), SPLIT)
+        b_x = load_chunk(x, rows, ck, stride_xn, stride_xk, n_rows, K)
+        xs = dot_parts(b_x, s_hi, s_mid, s_lo, xs, PREC, SPLIT, NATIVE)
+        x_sq += tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), axis=1)
+    return xs, x_sq
+
+
+@triton.jit
 def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
     """G of ``rows`` in float64: the sum of g over each node and its ancestors,
     which precede it (topological order), in BT-column slices."""
@@ -183,7 +200,9 @@ def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
     for c in range(0, tl.cdiv(last, BT)):
         cols = c * BT + tl.arange(0, BT)
         g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
-        bits = ancestor_bits(words, row_base, rows, cols, W, n_b)
+        # A slice of BT (which divides 64) columns lies in one bitset word: one load a row.
+        w = tl.load(words + (row_base + rows) * W + (c * BT) // 64, mask=rows < n_b, other=0)
+        bits = bit_is_set(w[:, None], cols[None, :]) & (cols[None, :] < n_b)
         acc += tl.sum(tl.where(bits, g_c[None, :], 0.0), axis=1)
     return acc
 
@@ -531,6 +550,192 @@ def _verify_output_kernel(
 
 
 @triton.jit
+def _staged_blocks_kernel(
+    q, k, g, beta, words, num_nodes,
+    gate_sum, k_normed, a_off, d_inv, scores,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_gb, stride_gn, stride_gh,
+    stride_bb, stride_bn, stride_bh,
+    scale, N, HV, K, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
+):
+    """Stage 1, one program per (request, value head, BT-row block r): G of the
+    block's rows, ``A_r,<r`` (the block row left of its diagonal block), the
+    inverse ``(I + A_rr)^{-1}`` of its diagonal block and ``P_r,<=r``."""
+    i_r = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    H = HV // GROUP
+    n_b = tl.load(num_nodes + b)
+    rows = i_r * BT + tl.arange(0, BT)
+    cols = tl.arange(0, NP)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
+    ws = i_bh.to(tl.int64) * NP * NP
+
+    # Padding rows get G = 0 and zero keys: their loads are masked off.
+    g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+    tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
+    # Columns past this block never meet its rows: the dots stop at its end.
+    n_c = tl.minimum(n_b, (i_r + 1) * BT)
+    kk = tl.zeros([BT, NP], dtype=tl.float32)
+    qk = tl.zeros([BT, NP], dtype=tl.float32)
+    kd = tl.zeros([BT, BT], dtype=tl.float32)
+    k_sq = tl.zeros([BT], dtype=tl.float32)
+    kc_sq = tl.zeros([NP], dtype=tl.float32)
+    q_sq = tl.zeros([BT], dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        ck = j * BKC + tl.arange(0, BKC)
+        b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+        b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_c, K)
+        kk += dot_raw(b_k, tl.trans(b_kc), PREC, LOWP_QK)
+        qk += dot_raw(b_q, tl.trans(b_kc), PREC, LOWP_QK)
+        kd += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+        kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
+        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([BT], 1.0, dtype=tl.float32)
+    rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
+    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([BT], scale, dtype=tl.float32)
+    if hv % GROUP == 0:  # one program per key head stores the keys commit reads
+        for j in tl.static_range(BK // BKC):
+            ck = j * BKC + tl.arange(0, BKC)
+            k_f32 = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            tl.store(
+                k_normed + b * N * H * K + h * K + rows[:, None] * H * K + ck[None, :],
+                k_f32 * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+            )
+    # Blocks of padding rows write no workspace: the later stages never read it.
+    if i_r * BT < n_b:
+        b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
+        g_c = path_sums(g, stride_gn, words, b * N, cols, n_c, W, BT)
+        decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_c), g_r, g_c)
+        at = ws + rows[:, None] * NP + cols[None, :]
+        tl.store(a_off + at, kk * (rk[:, None] * rkc[None, :]) * decay * b_beta[:, None],
+                 mask=cols[None, :] < i_r * BT)
+        tl.store(scores + at, qk * (rq[:, None] * rkc[None, :]) * decay, mask=cols[None, :] < (i_r + 1) * BT)
+        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), g_r, g_r)
+        a_d = tl.where(rows[:, None] > rows[None, :], kd * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+        pos = tl.arange(0, BT)
+        inv = tl.reshape(batched_unit_lower_inverse(tl.reshape(a_d, [1, BT, BT]), 1, BT), [BT, BT])
+        tl.store(d_inv + i_bh.to(tl.int64) * NP * BT + rows[:, None] * BT + pos[None, :], inv)
+
+
+@triton.jit
+def _staged_inverse_kernel(
+    beta, num_nodes, a_off, d_inv, scores, solve, solve_scores,
+    stride_bb, stride_bn, stride_bh,
+    HV,
+    NP: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, PREC: tl.constexpr,
+):
+    """Stage 2, one program per (request, value head, BT-column block c): column
+    block c of ``T = (I + A)^{-1} diag(beta)`` by block forward substitution down
+    the rows (``X_c = D_c``, ``X_r = -D_r A_r,<r X``), and of ``P T``. Column
+    blocks are independent: at B = 1 a head spreads over NP / BT programs."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    n_b = tl.load(num_nodes + b)
+    NB: tl.constexpr = NP // BT
+    if i_c * BT < n_b:
+        ws = i_bh.to(tl.int64) * NP * NP
+        d_inv += i_bh.to(tl.int64) * NP * BT
+        nodes = tl.arange(0, NP)
+        blk = nodes // BT
+        pos = tl.arange(0, BT)
+        # X holds the column block for all NP rows, zero in the rows not yet solved:
+        # A_r,<r X then only sees final rows (and A has no rows above c in them).
+        x = tl.load(d_inv + nodes[:, None] * BT + pos[None, :], mask=blk[:, None] == i_c, other=0.0)
+        for r in range(i_c + 1, tl.cdiv(n_b, BT)):
+            rows = r * BT + pos
+            a_r = tl.load(a_off + ws + rows[:, None] * NP + nodes[None, :],
+                          mask=(nodes[None, :] < r * BT) & (blk[None, :] >= i_c), other=0.0)
+            y = tl.dot(a_r, x, input_precision=PREC)
+            x_r = -tl.dot(tl.load(d_inv + rows[:, None] * BT + pos[None, :]), y, input_precision=PREC)
+            x3 = tl.reshape(x, [NB, BT, BT])
+            x3 = tl.where((tl.arange(0, NB) == r)[:, None, None], x_r[None, :, :], x3)
+            x = tl.reshape(x3, [NP, BT])
+        cols = i_c * BT + pos
+        b_beta = tl.load(beta + b * stride_bb + hv * stride_bh + cols * stride_bn, mask=cols < n_b, other=0.0)
+        x = x * b_beta.to(tl.float32)[None, :]
+        tl.store(solve + ws + nodes[:, None] * NP + cols[None, :], x)
+        # (P T) column block: P is block lower triangular and X zero above block c.
+        for i in tl.static_range(NP // RC):
+            prow = i * RC + tl.arange(0, RC)
+            p = tl.load(scores + ws + prow[:, None] * NP + nodes[None, :],
+                        mask=(prow[:, None] < n_b) & (blk[None, :] <= prow[:, None] // BT)
+                        & (blk[None, :] >= i_c) & (nodes[None, :] < n_b), other=0.0)
+            tl.store(solve_scores + ws + prow[:, None] * NP + cols[None, :], tl.dot(p, x, input_precision=PREC))
+
+
+@triton.jit
+def _staged_output_kernel(
+    q, k, v, state, slots, num_nodes,
+    gate_sum, solve, solve_scores, o, delta,
+    stride_qb, stride_qn, stride_qh, stride_qk,
+    stride_kb, stride_kn, stride_kh, stride_kk,
+    stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_ss, stride_sh, stride_sk, stride_sv,
+    scale, N, HV, K, V,
+    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Stage 3, one program per (request, value head, BV value columns, SB-row
+    block r): ``U_c = V_c - diag(e^G rk) K_c S0`` for the blocks c <= r, then
+    ``Delta_r = sum_c T_rc U_c`` and ``O_r = diag(e^G rq) Q_r S0 + sum_c (P T)_rc U_c``:
+    no dependence between programs, S0 read once per program."""
+    i_v = tl.program_id(0)
+    i_r = tl.program_id(1)
+    i_bh = tl.program_id(2)
+    b = (i_bh // HV).to(tl.int64)
+    hv = i_bh % HV
+    h = hv // GROUP
+    n_b = tl.load(num_nodes + b)
+    slot = tl.load(slots + b).to(tl.int64)
+    cv = i_v * BV + tl.arange(0, BV)
+    rows = i_r * SB + tl.arange(0, SB)
+    q += b * stride_qb + h * stride_qh
+    k += b * stride_kb + h * stride_kh
+    v += b * stride_vb + hv * stride_vh
+    state += slot * stride_ss + hv * stride_sh
+    gate_sum += b * N * HV + hv
+    ws = i_bh.to(tl.int64) * NP * NP
+    out = b * N * HV * V + hv * V + rows[:, None] * HV * V + cv[None, :]
+    out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+    d = tl.zeros([SB, BV], dtype=tl.float32)
+    b_o = tl.zeros([SB, BV], dtype=tl.float32)
+    # Row blocks past the last real node keep their zeros, as documented for padding.
+    if i_r * SB < n_b:
+        qs, q_sq = state_product(q, rows, n_b, stride_qn, stride_qk, state, cv, stride_sk, stride_sv, K, V,
+                                 SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
+        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
+        e_g = tl.exp(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0).to(tl.float32))
+        b_o = (e_g * rq)[:, None] * qs
+        for c in range(0, i_r + 1):
+            cols = c * SB + tl.arange(0, SB)
+            ks, k_sq = state_product(k, cols, n_b, stride_kn, stride_kk, state, cv, stride_sk, stride_sv, K, V,
+                                     SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
+            rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+            e_gc = tl.exp(tl.load(gate_sum + cols * HV, mask=cols < n_b, other=0.0).to(tl.float32))
+            u = load_rows(v, cols, cv, stride_vn, stride_vv, n_b, V) - (e_gc * rk)[:, None] * ks
+            at = ws + rows[:, None] * NP + cols[None, :]
+            tile = (rows[:, None] < n_b) & (cols[None, :] < n_b)
+            d += tl.dot(tl.load(solve + at, mask=tile, other=0.0), u, input_precision=PREC)
+            b_o += tl.dot(tl.load(solve_scores + at, mask=tile, other=0.0), u, input_precision=PREC)
+    tl.store(delta + out, d, mask=out_mask)
+    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
 def _commit_kernel(
     state, slots, leaves, words, delta, gate_sum, k_normed,
     stride_ss, stride_sh, stride_sk, stride_sv,
@@ -632,6 +837,33 @@ def verify_triton(
     # Workspace: only the blocks a request's own rows need are written and read.
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+    if kernel == "staged":
+        a_off = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+        d_inv = torch.empty(B * HV, NP, ROW_BLOCK, dtype=torch.float32, device=dev)
+        solve_scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+        _staged_blocks_kernel[(NP // ROW_BLOCK, B * HV)](
+            q, k, g, beta, words, meta.num_nodes,
+            gate_sum, k_normed, a_off, d_inv, scores,
+            *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
+            scale, N, HV, K, words.shape[-1],
+            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
+            PREC=precision, LOWP_QK=lowp, num_warps=prepare_warps,
+        )
+        _staged_inverse_kernel[(NP // ROW_BLOCK, B * HV)](
+            beta, meta.num_nodes, a_off, d_inv, scores, solve, solve_scores, *beta.stride(), HV,
+            NP=NP, BT=ROW_BLOCK, RC=SB, PREC=precision, num_warps=prepare_warps,
+        )
+        BV, warps = default_output_config(B * HV, V)
+        BV = max(MIN_BLOCK_V, block_v or BV)
+        _staged_output_kernel[(triton.cdiv(V, BV), NP // SB, B * HV)](
+            q, k, v, ssm_state, state_slots, meta.num_nodes,
+            gate_sum, solve, solve_scores, o, delta,
+            *q.stride(), *k.stride(), *v.stride(), *ssm_state.stride(),
+            scale, N, HV, K, V,
+            GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), BV=BV, USE_L2=use_qk_l2norm,
+            PREC=precision, SPLIT_S0=split_s0, NATIVE=native, num_warps=num_warps or warps,
+        )
+        return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     common = dict(GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
                   PREC=precision)
     _verify_prepare_kernel[(NP // SB, B * HV)](
