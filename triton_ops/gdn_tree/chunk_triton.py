@@ -31,6 +31,19 @@ inverted row by row in plain fp32 (stable for repeated keys, where powers of A
 explode), merged by forward substitution over the 16-row blocks. Both split
 kernels stop at each request's own node count: padding blocks cost nothing.
 
+Verify, "staged" (any N; three launches, no program waits on another of its
+launch, so that at B = 1 the heads spread over NP / 16 or V / BV programs each):
+
+1. ``_staged_blocks_kernel``, per (request, value head, 16-row block r): G, the
+   block row ``A_r,<r``, ``D_r = (I + A_rr)^{-1}`` (its 16x16 diagonal block,
+   row by row in fp32) and ``P_r,<=r``.
+2. ``_staged_inverse_kernel``, per (request, value head, 16-column block c): the
+   column block of ``T = (I + A)^{-1} diag(beta)`` by block forward substitution
+   down the rows (``X_c = D_c``, ``X_r = -D_r A_r,<r X``) and of ``P T``.
+3. ``_staged_output_kernel``, per (request, value head, BV value columns, 64-row
+   block r): with ``U = V - diag(e^G rk) K S0``, ``Delta_r = sum_c T_rc U_c`` and
+   ``O_r = diag(e^G rq) Q_r S0 + sum_c (P T)_rc U_c`` (c <= r).
+
 Commit runs one program per (request, value head, K block, V block).
 
 Dot precision (``precision`` = PREC, tf32x3 by default): ``K K^T`` and ``Q K^T``
@@ -39,8 +52,8 @@ inputs at PREC. ``K S0`` and ``Q S0`` of bf16 inputs (PREC not tf32): the fp32
 state as three bf16 parts hi + mid + lo (off by < 2^-24 relative) against the exact
 bf16 keys, three native dots whose products are exact in the fp32 accumulator:
 fp32 accuracy without fp32 copies of K and Q; otherwise at PREC. The merges of
-the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's
-``K^T Delta`` at PREC.
+the triangular solve, ``T U``, ``A Delta``, ``P Delta``, the staged kernel's
+``A X``, ``D y``, ``P T``, ``T U``, ``(P T) U`` and commit's ``K^T Delta`` at PREC.
 
 Path sums G are accumulated and kept in float64; inside the kernels they are
 split into fp32 (hi, lo) pairs so that ``G_i - G_j`` is accurate in fp32 (see
@@ -91,6 +104,15 @@ def default_output_config(heads: int, V: int) -> tuple[int, int]:
     small so that the programs cover the GPU."""
     BV = 32 if heads < 512 else 64
     return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
+
+
+def default_staged_config(NP: int) -> tuple[int, int, int]:
+    """(warps of the block and inverse stages, BV and warps of the output stage) of
+    the staged kernel. Compiled for sm_90 (Triton 3.9) these keep every stage free
+    of spills at NP = 64 (output 230 registers at 8 warps, 4 warps spill 128 B); at
+    NP = 128 the block stage needs 8 warps (4 spill 960 B), the output stage spills
+    264 B."""
+    return (4 if NP <= TILE_MAX_NODES else 8), MIN_BLOCK_V, 8
 
 
 @triton.jit
@@ -577,15 +599,19 @@ def _staged_blocks_kernel(
     k += b * stride_kb + h * stride_kh
     g += b * stride_gb + hv * stride_gh
     beta += b * stride_bb + hv * stride_bh
-    ws = i_bh.to(tl.int64) * NP * NP
+    words += b * N * W
+    # Workspace bases as scalars: int64 offsets per element would double the registers of every tile.
+    a_off += i_bh.to(tl.int64) * NP * NP
+    scores += i_bh.to(tl.int64) * NP * NP
+    d_inv += i_bh.to(tl.int64) * NP * BT
 
     # Padding rows get G = 0 and zero keys: their loads are masked off.
-    g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+    g_r = path_sums(g, stride_gn, words, 0, rows, n_b, W, BT)
     tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
     # Columns past this block never meet its rows: the dots stop at its end.
     n_c = tl.minimum(n_b, (i_r + 1) * BT)
-    kk = tl.zeros([BT, NP], dtype=tl.float32)
-    qk = tl.zeros([BT, NP], dtype=tl.float32)
+    kk = tl.zeros([NP, BT], dtype=tl.float32)
+    qk = tl.zeros([NP, BT], dtype=tl.float32)
     kd = tl.zeros([BT, BT], dtype=tl.float32)
     k_sq = tl.zeros([BT], dtype=tl.float32)
     kc_sq = tl.zeros([NP], dtype=tl.float32)
@@ -595,8 +621,10 @@ def _staged_blocks_kernel(
         b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
         b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
         b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_c, K)
-        kk += dot_raw(b_k, tl.trans(b_kc), PREC, LOWP_QK)
-        qk += dot_raw(b_q, tl.trans(b_kc), PREC, LOWP_QK)
+        # [NP, BT] products: with BT rows the warps of an mma would each redo the
+        # whole product (a replicated [BKC, NP] operand: 255 registers and spills).
+        kk += dot_raw(b_kc, tl.trans(b_k), PREC, LOWP_QK)
+        qk += dot_raw(b_kc, tl.trans(b_q), PREC, LOWP_QK)
         kd += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
         k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
         kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
@@ -615,17 +643,18 @@ def _staged_blocks_kernel(
     # Blocks of padding rows write no workspace: the later stages never read it.
     if i_r * BT < n_b:
         b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
-        g_c = path_sums(g, stride_gn, words, b * N, cols, n_c, W, BT)
-        decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_c), g_r, g_c)
-        at = ws + rows[:, None] * NP + cols[None, :]
-        tl.store(a_off + at, kk * (rk[:, None] * rkc[None, :]) * decay * b_beta[:, None],
+        g_c = path_sums(g, stride_gn, words, 0, cols, n_c, W, BT)
+        decay = masked_decay(ancestor_bits(words, 0, rows, cols, W, n_c), g_r, g_c)
+        at = rows[:, None] * NP + cols[None, :]
+        tl.store(a_off + at, tl.trans(kk) * (rk[:, None] * rkc[None, :]) * decay * b_beta[:, None],
                  mask=cols[None, :] < i_r * BT)
-        tl.store(scores + at, qk * (rq[:, None] * rkc[None, :]) * decay, mask=cols[None, :] < (i_r + 1) * BT)
-        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), g_r, g_r)
+        tl.store(scores + at, tl.trans(qk) * (rq[:, None] * rkc[None, :]) * decay,
+                 mask=cols[None, :] < (i_r + 1) * BT)
+        decay = masked_decay(ancestor_bits(words, 0, rows, rows, W, n_b), g_r, g_r)
         a_d = tl.where(rows[:, None] > rows[None, :], kd * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
         pos = tl.arange(0, BT)
         inv = tl.reshape(batched_unit_lower_inverse(tl.reshape(a_d, [1, BT, BT]), 1, BT), [BT, BT])
-        tl.store(d_inv + i_bh.to(tl.int64) * NP * BT + rows[:, None] * BT + pos[None, :], inv)
+        tl.store(d_inv + rows[:, None] * BT + pos[None, :], inv)
 
 
 @triton.jit
@@ -647,6 +676,10 @@ def _staged_inverse_kernel(
     NB: tl.constexpr = NP // BT
     if i_c * BT < n_b:
         ws = i_bh.to(tl.int64) * NP * NP
+        a_off += ws
+        scores += ws
+        solve += ws
+        solve_scores += ws
         d_inv += i_bh.to(tl.int64) * NP * BT
         nodes = tl.arange(0, NP)
         blk = nodes // BT
@@ -656,7 +689,7 @@ def _staged_inverse_kernel(
         x = tl.load(d_inv + nodes[:, None] * BT + pos[None, :], mask=blk[:, None] == i_c, other=0.0)
         for r in range(i_c + 1, tl.cdiv(n_b, BT)):
             rows = r * BT + pos
-            a_r = tl.load(a_off + ws + rows[:, None] * NP + nodes[None, :],
+            a_r = tl.load(a_off + rows[:, None] * NP + nodes[None, :],
                           mask=(nodes[None, :] < r * BT) & (blk[None, :] >= i_c), other=0.0)
             y = tl.dot(a_r, x, input_precision=PREC)
             x_r = -tl.dot(tl.load(d_inv + rows[:, None] * BT + pos[None, :]), y, input_precision=PREC)
@@ -666,14 +699,14 @@ def _staged_inverse_kernel(
         cols = i_c * BT + pos
         b_beta = tl.load(beta + b * stride_bb + hv * stride_bh + cols * stride_bn, mask=cols < n_b, other=0.0)
         x = x * b_beta.to(tl.float32)[None, :]
-        tl.store(solve + ws + nodes[:, None] * NP + cols[None, :], x)
+        tl.store(solve + nodes[:, None] * NP + cols[None, :], x)
         # (P T) column block: P is block lower triangular and X zero above block c.
         for i in tl.static_range(NP // RC):
             prow = i * RC + tl.arange(0, RC)
-            p = tl.load(scores + ws + prow[:, None] * NP + nodes[None, :],
+            p = tl.load(scores + prow[:, None] * NP + nodes[None, :],
                         mask=(prow[:, None] < n_b) & (blk[None, :] <= prow[:, None] // BT)
                         & (blk[None, :] >= i_c) & (nodes[None, :] < n_b), other=0.0)
-            tl.store(solve_scores + ws + prow[:, None] * NP + cols[None, :], tl.dot(p, x, input_precision=PREC))
+            tl.store(solve_scores + prow[:, None] * NP + cols[None, :], tl.dot(p, x, input_precision=PREC))
 
 
 @triton.jit
@@ -708,8 +741,11 @@ def _staged_output_kernel(
     v += b * stride_vb + hv * stride_vh
     state += slot * stride_ss + hv * stride_sh
     gate_sum += b * N * HV + hv
-    ws = i_bh.to(tl.int64) * NP * NP
-    out = b * N * HV * V + hv * V + rows[:, None] * HV * V + cv[None, :]
+    solve += i_bh.to(tl.int64) * NP * NP
+    solve_scores += i_bh.to(tl.int64) * NP * NP
+    o += b * N * HV * V + hv * V
+    delta += b * N * HV * V + hv * V
+    out = rows[:, None] * HV * V + cv[None, :]
     out_mask = (rows[:, None] < N) & (cv[None, :] < V)
     d = tl.zeros([SB, BV], dtype=tl.float32)
     b_o = tl.zeros([SB, BV], dtype=tl.float32)
@@ -720,17 +756,18 @@ def _staged_output_kernel(
         rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
         e_g = tl.exp(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0).to(tl.float32))
         b_o = (e_g * rq)[:, None] * qs
-        for c in range(0, i_r + 1):
-            cols = c * SB + tl.arange(0, SB)
-            ks, k_sq = state_product(k, cols, n_b, stride_kn, stride_kk, state, cv, stride_sk, stride_sv, K, V,
-                                     SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
-            rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-            e_gc = tl.exp(tl.load(gate_sum + cols * HV, mask=cols < n_b, other=0.0).to(tl.float32))
-            u = load_rows(v, cols, cv, stride_vn, stride_vv, n_b, V) - (e_gc * rk)[:, None] * ks
-            at = ws + rows[:, None] * NP + cols[None, :]
-            tile = (rows[:, None] < n_b) & (cols[None, :] < n_b)
-            d += tl.dot(tl.load(solve + at, mask=tile, other=0.0), u, input_precision=PREC)
-            b_o += tl.dot(tl.load(solve_scores + at, mask=tile, other=0.0), u, input_precision=PREC)
+        for c in tl.static_range(NP // SB):
+            if c <= i_r:
+                cols = c * SB + tl.arange(0, SB)
+                ks, k_sq = state_product(k, cols, n_b, stride_kn, stride_kk, state, cv, stride_sk, stride_sv,
+                                         K, V, SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
+                rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+                e_gc = tl.exp(tl.load(gate_sum + cols * HV, mask=cols < n_b, other=0.0).to(tl.float32))
+                u = load_rows(v, cols, cv, stride_vn, stride_vv, n_b, V) - (e_gc * rk)[:, None] * ks
+                at = rows[:, None] * NP + cols[None, :]
+                tile = (rows[:, None] < n_b) & (cols[None, :] < n_b)
+                d += tl.dot(tl.load(solve + at, mask=tile, other=0.0), u, input_precision=PREC)
+                b_o += tl.dot(tl.load(solve_scores + at, mask=tile, other=0.0), u, input_precision=PREC)
     tl.store(delta + out, d, mask=out_mask)
     tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
 
@@ -795,7 +832,7 @@ def verify_triton(
     precision: str,
     block_v: int | None = None,
     num_warps: int | None = None,
-    prepare_warps: int = 4,
+    prepare_warps: int | None = None,
     kernel: str | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
@@ -838,6 +875,7 @@ def verify_triton(
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     if kernel == "staged":
+        stage_warps, BV, warps = default_staged_config(NP)
         a_off = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
         d_inv = torch.empty(B * HV, NP, ROW_BLOCK, dtype=torch.float32, device=dev)
         solve_scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
@@ -847,13 +885,12 @@ def verify_triton(
             *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
             scale, N, HV, K, words.shape[-1],
             GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
-            PREC=precision, LOWP_QK=lowp, num_warps=prepare_warps,
+            PREC=precision, LOWP_QK=lowp, num_warps=prepare_warps or stage_warps,
         )
         _staged_inverse_kernel[(NP // ROW_BLOCK, B * HV)](
             beta, meta.num_nodes, a_off, d_inv, scores, solve, solve_scores, *beta.stride(), HV,
-            NP=NP, BT=ROW_BLOCK, RC=SB, PREC=precision, num_warps=prepare_warps,
+            NP=NP, BT=ROW_BLOCK, RC=SB, PREC=precision, num_warps=prepare_warps or stage_warps,
         )
-        BV, warps = default_output_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
         _staged_output_kernel[(triton.cdiv(V, BV), NP // SB, B * HV)](
             q, k, v, ssm_state, state_slots, meta.num_nodes,
@@ -871,7 +908,7 @@ def verify_triton(
         gate_sum, k_normed, solve, scores,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
         scale, N, HV, K, words.shape[-1],
-        BT=ROW_BLOCK, LOWP_QK=lowp, num_warps=prepare_warps, **common,
+        BT=ROW_BLOCK, LOWP_QK=lowp, num_warps=prepare_warps or 4, **common,
     )
     BV, warps = default_output_config(B * HV, V)
     BV = max(MIN_BLOCK_V, block_v or BV)
