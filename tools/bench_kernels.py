@@ -203,8 +203,10 @@ def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None
     return rel_err(out.o, ref_o), rel_err(new_pool[slots.long()], want), ref_o
 
 
-def gdn_correctness(device, smoke: bool, failed: list) -> list[str]:
-    """Triton verify/commit and the recurrent baseline against the float64 recurrence."""
+def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadline: float) -> list[str]:
+    """Triton verify/commit and the recurrent baseline against the float64 recurrence;
+    each of ``kernels`` (that takes the case's N) also verifies every case. No case
+    starts after ``deadline``."""
     cases = [
         # B, N, H, HV, K, V, tree shape (triton_ops.testing), partial node counts, state dtype
         (3, 40, 2, 4, 16, 32, "bushy", True, torch.float32),
@@ -221,6 +223,9 @@ def gdn_correctness(device, smoke: bool, failed: list) -> list[str]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for B, N, H, HV, K, V, shape, partial, state_dtype in cases:
+        if time.monotonic() > deadline:
+            rows.append([f"{B}x{N}x{H}/{HV}x{K}", "(out of time)"] + [""] * (5 + len(kernels)))
+            continue
         # Partial: the first request full, the others random counts (padding).
         counts = None if partial else [N] * B
         meta = random_tree_metadata(gen, [shape] * B, N, counts, device=device)
@@ -239,14 +244,25 @@ def gdn_correctness(device, smoke: bool, failed: list) -> list[str]:
         # bf16 state or output rounds at ~4e-3; the fp32 commit of bf16 inputs stays tight.
         tol = 1e-5 if state_dtype == torch.float32 and not low else 1e-2
         passed = pad_ok and max(errs) < tol and (not low or commit_err < 1e-5)
+        kernel_cells = []
+        for kernel in kernels:
+            if kernel == "tile" and N > TILE_MAX_NODES:
+                kernel_cells.append("-")
+                continue
+            out = verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, "tf32x3", kernel=kernel)
+            pad_ok = all(bool((t[pad] == 0).all()) for t in (out.o, out.delta, out.gate_sum, out.k_normed))
+            k_verify, k_commit, _ = gdn_errors((q, k, v, g, beta, pool, slots), meta, kernel=kernel)
+            passed &= pad_ok and max(k_verify, k_commit) < tol and (not low or k_commit < 1e-5)
+            kernel_cells.append(f"{fmt_err(k_verify)} / {fmt_err(k_commit)}" + ("" if pad_ok else " PAD"))
         if not passed:
             failed.append(f"gdn {B}x{N} {shape}")
         rows.append([
             f"{B}x{N}x{H}/{HV}x{K}", shape + ("+pad" if partial else ""),
             "bf16 in" if low else str(state_dtype).split(".")[-1],
-            *(fmt_err(e) for e in errs), "ok" if passed else "FAIL",
+            *(fmt_err(e) for e in errs), *kernel_cells, "ok" if passed else "FAIL",
         ])
-    header = ["B x N x H/HV x K", "tree", "state", "verify err", "commit err", "recurrent err", "check"]
+    header = ["B x N x H/HV x K", "tree", "state", "verify err", "commit err", "recurrent err",
+              *(f"{kernel} verify / commit" for kernel in kernels), "check"]
     return table("GDN tree: kernels vs float64 per-node recurrence (relative norm error)", header, rows)
 
 
@@ -450,17 +466,28 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
                  "(us per layer, CUDA graph)", ["B", "node counts", "real nodes", "verify"], rows)
 
 
+# Launch configurations the sweep times per verify kernel:
+# (output / tile BV, its warps, prepare / stage warps, precision).
+SWEEP_CONFIGS = {
+    "staged": [(32, 8, 4, "tf32x3"), (32, 4, 4, "tf32x3"), (32, 8, 8, "tf32x3"), (64, 8, 4, "tf32x3"),
+               (64, 4, 4, "tf32x3"), (32, 8, 4, "tf32")],
+    "default": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
+    + [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")],
+}
+
+
 def gdn_config_sweep(device, args, deadline: float) -> list[str]:
-    """Verify time per output-kernel launch configuration (CUDA graph)."""
+    """Verify time per launch configuration of ``args.sweep_kernel`` (CUDA graph)."""
     if device.type != "cuda" or not args.sweep:
         return []
     H, HV, K, V = 16, 48, 128, 128
     rows = []
     gen = torch.Generator().manual_seed(4)
-    # (output BV, output warps, prepare warps, precision)
-    configs = [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
-    configs += [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")]
+    kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
+    configs = SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"])
     for N, B in ((64, 1), (128, 1), (64, 32)):
+        if kernel == "tile" and N > TILE_MAX_NODES:
+            continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         for bv, warps, prepare_warps, prec in configs:
@@ -470,12 +497,12 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
             def call(s, bv=bv, warps=warps, prepare_warps=prepare_warps, prec=prec):
                 q, k, v, g, beta, pool, slots = s
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
-                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps)
+                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps, kernel=kernel)
 
             us = guarded(f"config BV={bv} warps={warps}/{prepare_warps} {prec}",
                          lambda: time_graph([lambda s=s: call(s) for s in sets], device))
             rows.append([str(N), str(B), str(bv), str(warps), str(prepare_warps), prec, fmt(us)])
-    return table("GDN tree verify launch configurations (us per layer, CUDA graph)",
+    return table(f"GDN tree verify launch configurations, kernel {args.sweep_kernel} (us per layer, CUDA graph)",
                  ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
 
 
@@ -503,7 +530,7 @@ def bench_gdn(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
     sections = {
-        "correctness": lambda: gdn_correctness(device, args.smoke, args.failed),
+        "correctness": lambda: gdn_correctness(device, args.smoke, args.failed, args.kernels, deadline),
         "timing": lambda: gdn_timing_table(device, args, copy_bandwidth(device), deadline),
         "precision": lambda: gdn_precision_table(device, args.smoke, args.failed, deadline),
         "padding": lambda: gdn_padding_table(device, args, deadline),
@@ -930,6 +957,9 @@ def main() -> int:
                              "B in 1, 8, 32)")
     parser.add_argument("--kernels", default="",
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
+    parser.add_argument("--sweep-kernel", default="default",
+                        help=f"GDN sweep: the verify kernel whose launch configurations it times, one of "
+                             f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()
@@ -949,6 +979,8 @@ def main() -> int:
         parser.error(f"--gdn-shapes: NxB items like 64x1,128x32, got {args.gdn_shapes!r}")
     if any(len(shape) != 2 or min(shape) < 1 for shape in args.gdn_shapes):
         parser.error(f"--gdn-shapes: NxB items with N, B >= 1, got {args.gdn_shapes}")
+    if args.sweep_kernel not in ("default", *VERIFY_KERNELS):
+        parser.error(f"--sweep-kernel: choose from {('default', *VERIFY_KERNELS)}, got {args.sweep_kernel!r}")
     if set(args.kernels) - set(VERIFY_KERNELS):
         parser.error(f"--kernels: choose from {VERIFY_KERNELS}, got {args.kernels}")
     args.device = torch.device("cpu" if args.smoke else "cuda")
