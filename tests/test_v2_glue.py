@@ -85,8 +85,10 @@ def test_slot_trees_keep_each_slots_tree_and_pad_it_under_the_root():
     assert parents[:, 0].eq(-1).all()
     assert torch.equal(parents[~torch.cat([torch.ones(3, 1, dtype=torch.bool), real], 1)],
                        torch.zeros(int((~real).sum()), dtype=torch.int64))
-    # Slots never drafted for are roots alone.
-    assert slots_store.gather(torch.tensor([1])).num_nodes.tolist() == [1]
+    # Slots never drafted for, and slots given to a new request, are roots alone.
+    slots_store.clear(4)
+    assert slots_store.gather(torch.tensor([1, 4])).num_nodes.tolist() == [1, 1]
+    assert slots_store.kernel_parents(torch.tensor([4]))[0, 1:].eq(0).all()
 
 
 def test_slot_trees_refuse_trees_wider_than_the_slots():

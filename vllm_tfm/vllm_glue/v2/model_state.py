@@ -11,7 +11,8 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler;
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
   conv states), restores the linear positions the drafter reads and pins
-  ``num_accepted_tokens`` to 1 (the committed state is in slot 0).
+  ``num_accepted_tokens`` to 1 (the committed state is in slot 0);
+- ``add_request``: a new request's slot holds no tree until it drafts one.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class TreeModelState(MambaHybridModelState):
         self._positions: torch.Tensor | None = None
         self._kv_cache_config = None
         self._attention_groups: list[tuple[int, list[str]]] | None = None
+
+    def add_request(self, req_index, new_req_data) -> None:
+        super().add_request(req_index, new_req_data)
+        # The slot's tree was drafted for the request that held it before.
+        self.engine.trees.clear(req_index)
 
     def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
                      attn_groups, kv_cache_config, for_capture=False, ubatch_idx=0,

@@ -67,6 +67,11 @@ class SlotTrees:
         self.num_nodes[slots] = trees.num_nodes.int()
         self.draft_logq[slots] = torch.nn.functional.pad(trees.draft_logq.float(), pad)
 
+    def clear(self, slot: int) -> None:
+        """A new request in ``slot``: no tree (a root alone) until it drafts one."""
+        self.parents[slot] = -1
+        self.num_nodes[slot] = 1
+
     def draft_tokens(self, slots: torch.Tensor) -> torch.Tensor:
         """[R, N - 1] the tokens vLLM schedules after each slot's root."""
         return self.tokens[slots.long(), 1:]
