@@ -6,9 +6,9 @@ budget; piecewise graphs hold the chain kernels, so tree steps must never replay
 `tools/gpu_e2e.py` (one engine per configuration) and requires greedy output equal to no
 speculation (up to bf16 ties), every tree kernel to have run (in the captured graphs and the
 eager steps), tree steps to have replayed FULL graphs and none a piecewise one. On model runner V2
-(vLLM 0.33's GPU default; dflash_tfm has no V2 path yet) the baselines a V2 tree path must
-match: no speculation replays FULL decode graphs and vLLM's `dflash` (drafter graphed too)
-is lossless against it. Needs a CUDA GPU and
+(vLLM 0.33's GPU default): the baselines (no speculation replays FULL decode graphs, vLLM's
+`dflash`, drafter graphed too, is lossless against it) and dflash_tfm through vllm_glue/v2,
+eager and under FULL_DECODE_ONLY graphs, with the same checks as on V1. Needs a CUDA GPU and
 vLLM importable there: on the H200, through the device tool and tools/gpu_vllm (payload
 built with VLLM_VERSION=0.32.0 or 0.33.0; the report's header names the version that ran),
 
@@ -79,3 +79,24 @@ def test_model_runner_v2_baselines_replay_full_graphs_losslessly(tmp_path):
     for label, row in rows.items():
         assert row["launches"].get("other steps, graph mode FULL", 0) > 0, (label, row)
     assert "NOT ties" not in rows["vLLM dflash (chain, 15)"]["equality"]
+
+
+@pytest.mark.parametrize("cudagraphs", ["off", "full-decode"])
+def test_model_runner_v2_tree_steps_are_lossless(tmp_path, cudagraphs):
+    models = tmp_path / "models"
+    assert _gpu_e2e("build", str(models)) == 0
+    status = _gpu_e2e("run", "--models", str(models), "--out", str(tmp_path), "--max-tokens",
+                      "32", "--cudagraphs", cudagraphs, "--runner", "v2",
+                      "--configs", "weaver B=7", "ddtree B=7")
+    report = (tmp_path / "gpu_e2e.md").read_text()
+    assert status == 0, report
+    assert "model runner V2" in report
+    rows = {row["config"]: row for row in json.loads((tmp_path / "gpu_e2e.json").read_text())}
+    assert set(rows) == {"no speculation", "dflash_tfm weaver B=7", "dflash_tfm ddtree B=7"}
+    for label in ("dflash_tfm weaver B=7", "dflash_tfm ddtree B=7"):
+        row = rows[label]
+        assert "NOT ties" not in row["equality"], row["equality"]
+        assert row["kernels"] == "all ran", row["kernels"]
+        assert row["sampled"]["tokens_per_s"] > 0, row["sampled"]
+        if cudagraphs != "off":
+            assert row["launches"].get("tree steps, graph mode FULL", 0) > 0, row["launches"]

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_tfm.vllm_glue import tree_step
-from vllm_tfm.vllm_glue.config import select_model_runner_v1
+from vllm_tfm.vllm_glue.v2.choice import select_model_runner
 from vllm_tfm.vllm_glue.runner import wrap_determine_batch_execution_and_padding, wrap_init
 
 
@@ -97,7 +97,7 @@ def test_model_runner_v1_is_chosen_past_vllms_env_cache(monkeypatch):
     envs.enable_envs_cache()
     try:
         assert envs.VLLM_USE_V2_MODEL_RUNNER
-        select_model_runner_v1()
+        select_model_runner("v1")
         assert envs.VLLM_USE_V2_MODEL_RUNNER is False
     finally:
         envs.disable_envs_cache()

@@ -40,8 +40,8 @@ and the others, and fails a configuration whose tree steps replayed a graph.
 finish at different steps and new prompts are prefilled beside running trees: it requires
 the GDN layers' mixed path (prompt rows through vLLM's kernels, tree rows through ours) to
 have run. `--configs` keeps the configurations whose label contains one of its words.
-`--runner v2` runs the configurations without dflash_tfm (no speculation, vLLM's `dflash`)
-on model runner V2 (vLLM 0.33's GPU default); dflash_tfm runs on V1 only so far.
+`--runner v2` runs every configuration on model runner V2 (vLLM 0.33's GPU default),
+dflash_tfm through vllm_glue/v2 (tools/gpu_vllm/run_v2_tree.sh stages it).
 
 Exit status 1 when a check failed. Configurations are run in priority order and those that
 would start after `--deadline-s` are listed as skipped. The check itself is
@@ -80,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="off: enforce_eager; full-decode: mode 0 + FULL_DECODE_ONLY; "
                           "default: vLLM's default compilation and graphs")
     run.add_argument("--runner", choices=RUNNERS, default="v1",
-                     help="v1: every configuration on model runner V1; v2: the "
-                          "configurations without dflash_tfm on model runner V2")
+                     help="the model runner every configuration runs on (v2: dflash_tfm "
+                          "through vllm_glue/v2)")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)

@@ -4,9 +4,9 @@ budgets), greedy and sampled, each greedy output compared with no speculation up
 ties, kernel launches and CUDA-graph dispatch counted (`launch_counts`), one report table
 written after every configuration.
 
-``runner``: "v1" runs every configuration on model runner V1 (dflash_tfm's runner); "v2"
-runs the configurations model runner V2 can run (no speculation, vLLM's `dflash`:
-dflash_tfm has no V2 path yet) on V2, the default of vLLM 0.33 on GPUs.
+``runner``: "v1" runs every configuration on model runner V1; "v2" runs every
+configuration on model runner V2 (vLLM 0.33's GPU default; dflash_tfm through
+vllm_glue/v2, chosen with VLLM_USE_V2_MODEL_RUNNER=1 until V2 is its default).
 """
 
 from __future__ import annotations
@@ -106,26 +106,32 @@ def select_runner(runner: str) -> None:
 
 
 def count_v2_graph_dispatch() -> None:
-    """Count model runner V2's target forwards by CUDA-graph mode ("other steps": V2 runs
-    no tree steps), as launch_counts.count_graph_dispatch does for V1. Dummy runs (capture,
-    profiling) are left out."""
+    """Count model runner V2's target forwards by CUDA-graph mode, split into the steps of
+    a dflash_tfm engine with drafts scheduled (tree steps) and the others, as
+    launch_counts.count_graph_dispatch does for V1. Dummy runs (capture, profiling) are
+    left out."""
     from vllm.v1.worker.gpu import model_runner as v2
+
+    from vllm_tfm.vllm_glue.config import tfm_options
 
     dispatch = v2.dispatch_cg_and_sync_dp
     execute = v2.GPUModelRunner.execute_model
-    in_dummy_run = []
+    running = []  # (dummy run, tree step) of the execute_model calls in progress
 
-    def execute_model(self, *args, dummy_run: bool = False, **kwargs):
-        in_dummy_run.append(dummy_run)
+    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
+        trees = (tfm_options(self.vllm_config) is not None
+                 and bool(getattr(scheduler_output, "scheduled_spec_decode_tokens", None)))
+        running.append((dummy_run, trees))
         try:
-            return execute(self, *args, dummy_run=dummy_run, **kwargs)
+            return execute(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
         finally:
-            in_dummy_run.pop()
+            running.pop()
 
     def dispatch_cg_and_sync_dp(*args, **kwargs):
         result = dispatch(*args, **kwargs)
-        if in_dummy_run and not in_dummy_run[-1]:
-            LAUNCHES[f"other steps, graph mode {result[0].cg_mode.name}"] += 1
+        if running and not running[-1][0]:
+            kind = "tree" if running[-1][1] else "other"
+            LAUNCHES[f"{kind} steps, graph mode {result[0].cg_mode.name}"] += 1
         return result
 
     v2.GPUModelRunner.execute_model = execute_model
@@ -258,8 +264,6 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     for label, tree, config in configurations(models):
         if config_words and config is not None and not any(w in label for w in config_words):
             continue
-        if runner == "v2" and tree is not None:
-            continue  # dflash_tfm runs on model runner V1 only (so far)
         elapsed = time.perf_counter() - started
         if elapsed > deadline_s:
             rows.append({"config": label, "skipped": f"deadline, {elapsed:.0f} s elapsed"})

@@ -19,6 +19,8 @@ from vllm_tfm.options import (
     resolve_candidate_pool,
     split_speculative_config,
 )
+from vllm_tfm.vllm_glue.patches import vllm_major_minor
+from vllm_tfm.vllm_glue.v2.choice import ENV, select_model_runner, tree_runner
 
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
 # The one GPU attention backend whose forward the tree path wraps.
@@ -68,8 +70,9 @@ def wrap_create_engine_config(original):
         saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
                  self.attention_backend)
         if not _on_cpu():
-            # The tree path patches model runner V1 and the TRITON_ATTN backend.
-            select_model_runner_v1()
+            # The tree path patches model runner V1 or plugs into V2 (vllm_glue/v2), over
+            # the TRITON_ATTN backend either way.
+            select_model_runner(choose_runner(self))
             if self.attention_backend is None and self.attention_config.backend is None:
                 # vLLM refuses both fields set, so only fill an unset choice.
                 self.attention_backend = CUDA_ATTENTION_BACKEND
@@ -119,11 +122,7 @@ def _check_engine_args(engine_args) -> None:
             )
     if _on_cpu():
         return
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
-        raise ValueError(
-            f"VLLM_USE_V2_MODEL_RUNNER must be 0 with speculative method '{METHOD}' "
-            "(it patches model runner V1)"
-        )
+    choose_runner(engine_args)  # refuses VLLM_USE_V2_MODEL_RUNNER=1 where V2 cannot run
     chosen = engine_args.attention_backend or engine_args.attention_config.backend
     name = getattr(chosen, "name", chosen)
     if name not in (None, CUDA_ATTENTION_BACKEND):
@@ -133,17 +132,10 @@ def _check_engine_args(engine_args) -> None:
         )
 
 
-def select_model_runner_v1() -> None:
-    """Make this process's next engine take model runner V1.
-
-    vLLM reads ``VLLM_USE_V2_MODEL_RUNNER`` through ``vllm.envs``, which caches every
-    variable once an engine core has started in the process: drop that cache (vLLM's own
-    reset; the next engine core caches again) so an earlier engine's value is not reused.
-    """
-    import vllm.envs as envs
-
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
-    envs.disable_envs_cache()
+def choose_runner(engine_args) -> str:
+    """The model runner ("v1" or "v2") of a dflash_tfm engine on CUDA (v2/choice.py)."""
+    return tree_runner(os.environ.get(ENV), True, vllm_major_minor(),
+                       engine_args.tensor_parallel_size)
 
 
 def _on_cpu() -> bool:

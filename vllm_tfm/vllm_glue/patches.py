@@ -41,6 +41,7 @@ class Patch:
     why: str
     cpu_only: bool = False  # only where vLLM runs on CPU
     cuda_only: bool = False  # only where vLLM runs on CUDA
+    min_vllm: tuple[int, int] | None = None  # only from this (major, minor) on
 
     def apply(self) -> None:
         owner: Any = importlib.import_module(self.module)
@@ -62,6 +63,7 @@ class Patch:
 _GLUE = "vllm_tfm.vllm_glue"
 _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+_V2 = f"{_GLUE}.v2"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -227,6 +229,28 @@ PATCHES: tuple[Patch, ...] = (
         cuda_only=True,
     ),
     Patch(
+        "vllm.v1.worker.gpu.model_runner", "init_speculator",
+        f"{_V2}.hooks:wrap_init_speculator",
+        "model runner V2: a dflash_tfm engine's speculator is the tree speculator (vLLM "
+        "picks speculators by method name, with no registry)",
+        cuda_only=True, min_vllm=(0, 33),
+    ),
+    Patch(
+        "vllm.v1.worker.gpu.model_states", "resolve_model_state_cls",
+        f"{_V2}.hooks:wrap_resolve_model_state_cls",
+        "model runner V2: a dflash_tfm engine's model state is TreeModelState (tree "
+        "inputs, verification through custom_sampler, commit), chosen where vLLM picks "
+        "MambaHybridModelState (no registry)",
+        cuda_only=True, min_vllm=(0, 33),
+    ),
+    Patch(
+        "vllm.v1.engine.input_processor", "InputProcessor._validate_params",
+        f"{_V2}.verify:wrap_validate_params",
+        "model runner V2: refuse the sampling fields the V2 tree path does not apply per "
+        "node (penalties, top-k / top-p, logprobs, structured outputs, ...) when the "
+        "request arrives",
+    ),
+    Patch(
         _QWEN_GDN, "QwenGatedDeltaNetAttention.__init__",
         f"{_GLUE}.cuda_gdn:wrap_gdn_init",
         "keep GDN layers off the fused CUDA spec-decode kernel "
@@ -259,6 +283,18 @@ VLLM_OBJECT_WRITES: tuple[Write, ...] = (
           f"{_GLUE}.tree_step:install_step_slot",
           "the engine's StepSlot, found by its layers through the forward context (the "
           "dict is per engine, unlike a module global)"),
+    Write("CompilationConfig.static_forward_context",
+          "keys tree_step.STEP_SLOT_KEY and v2.engine.ENGINE_KEY",
+          f"{_V2}.engine:install_engine",
+          "model runner V2: the engine's TreeEngine (trees by slot, step slot, the step "
+          "being scored), filed by the speculator for the model state"),
+    Write("InputBatch (V2)", "positions rows of tree nodes, then restored",
+          f"{_V2}.trees:apply_tree_positions",
+          "RoPE sees node j at prefix + depth(j); restore_linear_positions puts vLLM's "
+          "back before the drafter reads them"),
+    Write("SpeculativeConfig (a copy)", "num_speculative_tokens",
+          f"{_V2}.speculator:_depth_config",
+          "model runner V2: the DFlash block is the draft depth, not the tree budget"),
     Write("GPUModelRunner (V1)", "_tfm_attention_groups",
           f"{_GLUE}.commit:_attention_layers_by_group",
           "the target's full-attention layers by KV-cache group, cached for the commit"),
@@ -292,14 +328,21 @@ VLLM_OBJECT_WRITES: tuple[Write, ...] = (
 )
 
 
+def vllm_major_minor() -> tuple[int, int] | None:
+    import vllm
+
+    try:
+        major, minor = (int(part) for part in vllm.__version__.split(".")[:2])
+    except ValueError:
+        return None
+    return major, minor
+
+
 def check_vllm_version() -> None:
     import vllm
 
     version = vllm.__version__
-    try:
-        major_minor = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        major_minor = None
+    major_minor = vllm_major_minor()
     low, high = SUPPORTED_VLLM
     if major_minor is None or not low <= major_minor < high:
         raise RuntimeError(
@@ -314,9 +357,11 @@ def applicable_patches() -> tuple[Patch, ...]:
 
     on_cpu = current_platform.is_cpu()
     on_cuda = current_platform.is_cuda()
+    version = vllm_major_minor()
     return tuple(
         patch for patch in PATCHES
         if not (patch.cpu_only and not on_cpu) and not (patch.cuda_only and not on_cuda)
+        and (patch.min_vllm is None or (version is not None and version >= patch.min_vllm))
     )
 
 

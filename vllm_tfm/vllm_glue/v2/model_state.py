@@ -1,0 +1,188 @@
+"""The V2 tree step around the target forward: :class:`TreeModelState`.
+
+A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tree step:
+
+- ``prepare_attn`` (after V2 wrote the linear positions and slot mappings, before the
+  forward): builds the batch's :class:`~vllm_tfm.vllm_glue.tree_step.TreeStep` from the
+  slots' trees, moves RoPE positions to prefix + depth in place and, for a FULL replay,
+  copies the trees into the buffers the captured graph reads (``tree_graphs``); during a
+  FULL capture of uniform decodes it activates the fixed-buffer capture step instead, so
+  the graph holds the tree kernels;
+- ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler;
+- ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
+  conv states), restores the linear positions the drafter reads and pins
+  ``num_accepted_tokens`` to 1 (the committed state is in slot 0);
+- ``add_request``: a new request's slot holds no tree until it drafts one.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
+from vllm.v1.worker.gpu.sample.output import SamplerOutput
+
+from vllm_tfm.vllm_glue.commit import commit_gdn_records, key_value_views
+from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
+from vllm_tfm.vllm_glue.v2.engine import find_engine
+from vllm_tfm.vllm_glue.v2.trees import (
+    apply_tree_positions,
+    batch_tree_step,
+    restore_linear_positions,
+)
+from vllm_tfm.vllm_glue.v2.verify import (
+    node_logits,
+    sampled_tokens,
+    step_seeds,
+    verify_batch,
+)
+
+
+def _conv_width(model_config) -> int:
+    hf = model_config.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return int(getattr(text, "linear_conv_kernel_dim", 4))
+
+
+class TreeModelState(MambaHybridModelState):
+    def __init__(self, vllm_config, model, encoder_cache, device) -> None:
+        super().__init__(vllm_config, model, encoder_cache, device)
+        self.context = vllm_config.compilation_config.static_forward_context
+        self.engine = find_engine(self.context)
+        self.num_nodes = 1 + vllm_config.speculative_config.num_speculative_tokens
+        self.conv_width = _conv_width(vllm_config.model_config)
+        self.graphs = GraphedTreeSteps(self.num_nodes, self.conv_width, device)
+        self._block_tables: tuple[torch.Tensor, ...] = ()
+        self._positions: torch.Tensor | None = None
+        self._kv_cache_config = None
+        self._attention_groups: list[tuple[int, list[str]]] | None = None
+
+    def add_request(self, req_index, new_req_data) -> None:
+        super().add_request(req_index, new_req_data)
+        # The slot's tree was drafted for the request that held it before.
+        self.engine.trees.clear(req_index)
+
+    def prepare_attn(self, input_batch, cudagraph_mode, block_tables, slot_mappings,
+                     attn_groups, kv_cache_config, for_capture=False, ubatch_idx=0,
+                     model_specific_attn_metadata=None):
+        engine = self.engine
+        engine.step = None
+        engine.slot.step = None
+        if for_capture:
+            engine.slot.step = self._capture_step(input_batch)
+        else:
+            step = batch_tree_step(input_batch, engine.trees, self.conv_width)
+            if step is not None:
+                apply_tree_positions(input_batch.positions, step)
+                if cudagraph_mode == CUDAGraphMode.FULL:
+                    self._bind_graph(step, input_batch.num_reqs_after_padding)
+                engine.step = step
+                engine.slot.step = step
+                self._block_tables = block_tables
+                self._positions = input_batch.positions
+                self._kv_cache_config = kv_cache_config
+        return super().prepare_attn(
+            input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
+            kv_cache_config, for_capture=for_capture, ubatch_idx=ubatch_idx,
+            model_specific_attn_metadata=model_specific_attn_metadata)
+
+    def _capture_step(self, input_batch):
+        """The step a FULL capture runs with: uniform decodes of N nodes each."""
+        if input_batch.max_query_len != self.num_nodes:
+            raise RuntimeError(
+                "dflash_tfm on model runner V2 captures FULL graphs of uniform tree "
+                f"decodes only (query length {self.num_nodes}), got a FULL capture of "
+                f"query length {input_batch.max_query_len}: use "
+                "compilation_config cudagraph_mode 'FULL_DECODE_ONLY'")
+        return self.graphs.for_capture(input_batch.num_tokens_after_padding)
+
+    def _bind_graph(self, step, num_reqs_padded: int) -> None:
+        if num_reqs_padded not in self.graphs.steps or not step.only_tree_rows:
+            raise RuntimeError(
+                f"dflash_tfm: model runner V2 replays a FULL graph of {num_reqs_padded} "
+                f"requests that was not captured with a tree step (captured: "
+                f"{sorted(self.graphs.steps)})")
+        self.graphs.bind(step, num_reqs_padded)
+
+    def capture_inner_cudagraphs(self, *args, **kwargs) -> None:
+        # The target's graphs are captured: the drafter's capture comes next, and its
+        # attention layers must not see the last capture step.
+        self.engine.slot.step = None
+        super().capture_inner_cudagraphs(*args, **kwargs)
+
+    def custom_sampler(self, sampler):
+        return sampler, TreeRejectionSampler(self, sampler)
+
+    def postprocess_state(self, idx_mapping, num_sampled, num_computed_tokens=None) -> None:
+        engine = self.engine
+        engine.slot.step = None
+        step = engine.step
+        if step is not None and step.accepted_leaf is not None:
+            self._commit(step)
+            restore_linear_positions(self._positions, step)
+        # Slot 0 and the first conv columns hold the committed state (vLLM's readers
+        # resume from slot num_accepted - 1).
+        super().postprocess_state(idx_mapping, 1, num_computed_tokens)
+
+    def _commit(self, step) -> None:
+        from triton_ops.tree_attention import tree_kv_commit
+
+        leaf = step.accepted_leaf
+        num_reqs = len(step.req_ids)
+        for gid, names in self._attention_layers():
+            views = [key_value_views(self.context[name]) for name in names]
+            tree_kv_commit([keys for keys, _ in views], [values for _, values in views],
+                           self._block_tables[gid][:num_reqs].to(torch.int32),
+                           step.prefix_lens, step.meta, leaf)
+        commit_gdn_records(step.gdn_records.values(), leaf)
+        step.gdn_records = {}
+
+    def _attention_layers(self) -> list[tuple[int, list[str]]]:
+        """The target's full-attention layers by KV-cache group (found once)."""
+        if self._attention_groups is None:
+            from vllm.model_executor.layers.attention import Attention
+
+            groups = []
+            for gid, group in enumerate(self._kv_cache_config.kv_cache_groups):
+                names = [name for name in group.layer_names
+                         if name not in self.engine.draft_layer_names
+                         and isinstance(self.context.get(name), Attention)]
+                if names:
+                    groups.append((gid, names))
+            self._attention_groups = groups
+        return self._attention_groups
+
+
+class TreeRejectionSampler:
+    """V2's rejection-sampler seam (``sampler(logits, input_batch, draft_logits,
+    invalid_drafts) -> SamplerOutput``), verifying the step's trees."""
+
+    # V2's warm-up switches adaptive verification off and back on; trees have none.
+    enable_adaptive_verification = False
+
+    def __init__(self, state: TreeModelState, sampler) -> None:
+        self.state = state
+        self.sampler = sampler
+
+    def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
+        state = self.state
+        step = state.engine.step
+        if step is None:
+            raise RuntimeError("dflash_tfm: V2 verifies drafts of a step without a tree")
+        num_reqs = input_batch.num_reqs
+        slots = input_batch.idx_mapping[:num_reqs]
+        tree = state.engine.trees.gather(slots).truncate(step.meta.num_nodes)
+        rows = node_logits(logits.float(), input_batch.cu_num_logits, step.meta.num_nodes,
+                           tree.max_nodes)
+        sampling = self.sampler.sampling_states
+        result = verify_batch(tree, rows, sampling.temperature.gpu[slots],
+                              step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))
+        step.accepted_leaf = result.accepted_leaf
+        num_sampled, num_rejected = get_num_sampled_and_rejected(
+            (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens,
+            input_batch.cu_num_logits, input_batch.idx_mapping,
+            self.sampler.req_states.prefill_len.gpu)
+        return SamplerOutput(
+            sampled_token_ids=sampled_tokens(result, state.num_nodes), logprobs_tensors=None,
+            num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)

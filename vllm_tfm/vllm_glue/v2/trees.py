@@ -1,0 +1,152 @@
+"""Draft trees kept by request slot, and the tree step of a V2 batch.
+
+Model runner V2 keeps every per-request tensor by request slot (``idx_mapping`` maps a
+batch row to its slot) and dispatches FULL graphs for uniform batches of exactly
+1 + num_speculative_tokens tokens per request. So every tree here has N = 1 + budget
+nodes for the kernels: a tree the builder left smaller is padded with children of the
+root that repeat the root's token (``kernel_parents``). They are scored like any node
+and never verified: verification reads the trees cut to their real nodes (``gather``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from triton_ops.tree_metadata import build_tree_metadata
+from vllm_tfm.drafting.tree import DraftTree
+from vllm_tfm.vllm_glue.tree_step import TreeStep, request_nodes
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotTrees:
+    """The last tree drafted for each request slot, [slots, N] (N = 1 + budget)."""
+
+    tokens: torch.Tensor  # [slots, N] int64, padding nodes hold the root's token
+    parents: torch.Tensor  # [slots, N] int32, -1 past num_nodes (as DraftTree)
+    depths: torch.Tensor  # [slots, N] int32
+    num_nodes: torch.Tensor  # [slots] int32 real nodes, root included
+    draft_logq: torch.Tensor  # [slots, N] float32
+    max_depth: int
+
+    @classmethod
+    def allocate(cls, num_slots: int, num_nodes: int, max_depth: int,
+                 device: torch.device) -> SlotTrees:
+        def zeros(dtype, *shape):
+            return torch.zeros(num_slots, *shape, dtype=dtype, device=device)
+
+        parents = zeros(torch.int32, num_nodes) - 1
+        return cls(tokens=zeros(torch.int64, num_nodes), parents=parents,
+                   depths=zeros(torch.int32, num_nodes),
+                   num_nodes=zeros(torch.int32) + 1,
+                   draft_logq=zeros(torch.float32, num_nodes), max_depth=max_depth)
+
+    @property
+    def width(self) -> int:
+        return self.tokens.shape[1]
+
+    def store(self, slots: torch.Tensor, trees: DraftTree) -> None:
+        """Keep ``trees`` (one per entry of ``slots``, at most N nodes) in their slots."""
+        rows, width = trees.tokens.shape
+        if width > self.width:
+            raise ValueError(f"trees of {width} nodes do not fit slots of {self.width}")
+        if trees.max_depth > self.max_depth:
+            raise ValueError(f"trees of depth {trees.max_depth} exceed the slots' "
+                             f"max_depth {self.max_depth}")
+        slots = slots.long()
+        node = torch.arange(self.width, device=slots.device)
+        real = node < trees.num_nodes.view(-1, 1)
+        pad = (0, self.width - width)
+        root = trees.tokens[:, :1]
+        tokens = torch.nn.functional.pad(trees.tokens, pad)
+        self.tokens[slots] = torch.where(real, tokens, root)
+        self.parents[slots] = torch.nn.functional.pad(trees.parents.int(), pad, value=-1)
+        self.depths[slots] = torch.nn.functional.pad(trees.depths.int(), pad)
+        self.num_nodes[slots] = trees.num_nodes.int()
+        self.draft_logq[slots] = torch.nn.functional.pad(trees.draft_logq.float(), pad)
+
+    def clear(self, slot: int) -> None:
+        """A new request in ``slot``: no tree (a root alone) until it drafts one."""
+        self.parents[slot] = -1
+        self.num_nodes[slot] = 1
+
+    def draft_tokens(self, slots: torch.Tensor) -> torch.Tensor:
+        """[R, N - 1] the tokens vLLM schedules after each slot's root."""
+        return self.tokens[slots.long(), 1:]
+
+    def gather(self, slots: torch.Tensor) -> DraftTree:
+        """The trees of ``slots``, real nodes only (what verification reads)."""
+        slots = slots.long()
+        node = torch.arange(self.width, device=slots.device)
+        real = node < self.num_nodes[slots].view(-1, 1)
+        return DraftTree(tokens=torch.where(real, self.tokens[slots], 0),
+                         parents=self.parents[slots],
+                         depths=self.depths[slots], num_nodes=self.num_nodes[slots],
+                         draft_logq=self.draft_logq[slots], max_depth=self.max_depth)
+
+    def kernel_parents(self, slots: torch.Tensor) -> torch.Tensor:
+        """[R, N] int64 parents the kernels score: padding nodes hang under the root."""
+        slots = slots.long()
+        node = torch.arange(self.width, device=slots.device)
+        real = node < self.num_nodes[slots].view(-1, 1)
+        parents = torch.where(real, self.parents[slots].long(), 0)
+        parents[:, 0] = -1
+        return parents
+
+
+def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int) -> TreeStep | None:
+    """The tree step of a V2 batch (None: no request carries drafts).
+
+    A request with d scheduled drafts is scored as the first 1 + d nodes of its slot's
+    tree (node order is topological, so any prefix is a tree); one with none (a prompt
+    chunk) as a tree of one node, the last scheduled token. Host-side counts only: no sync.
+    """
+    drafts = input_batch.num_draft_tokens_per_req
+    if drafts is None or input_batch.num_draft_tokens == 0:
+        return None
+    num_reqs = input_batch.num_reqs
+    num_drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
+    num_nodes = num_drafts + 1
+    max_nodes = int(num_nodes.max())
+    device = input_batch.idx_mapping.device
+    parents = trees.kernel_parents(input_batch.idx_mapping[:num_reqs])[:, :max_nodes]
+    counts = torch.from_numpy(num_nodes.astype(np.int32)).to(device)
+    meta = build_tree_metadata(parents, counts, conv_width=conv_width, validate=False)
+    query_start = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
+    first_node_row = query_start[1:] - num_nodes
+    node = np.arange(max_nodes)
+    token_rows = np.where(node[None, :] < num_nodes[:, None],
+                          first_node_row[:, None] + node[None, :], -1)
+    scheduled = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
+    computed = np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64)
+    prefix_lens = torch.from_numpy((computed + scheduled - num_nodes).astype(np.int32)).to(device)
+    with_trees = (num_drafts > 0).nonzero()[0]
+    total = int(query_start[-1])
+    return TreeStep(
+        req_ids=list(input_batch.req_ids[:num_reqs]),
+        meta=meta,
+        token_rows=torch.from_numpy(token_rows).to(device),
+        prefix_lens=prefix_lens,
+        num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
+        linear_positions=input_batch.positions[:total].clone(),
+        has_trees=True,
+        tree_nodes=request_nodes(meta, prefix_lens, with_trees, first_node_row[with_trees],
+                                 num_nodes[with_trees]),
+        only_tree_rows=bool(((scheduled == num_nodes) & (num_nodes > 1)).all()),
+        num_nodes_host=num_nodes,
+    )
+
+
+def apply_tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
+    """RoPE sees node j at prefix + depth(j) (``positions`` holds prefix + j, in place)."""
+    nodes = step.tree_nodes
+    depths = nodes.meta.depths.long()
+    node = torch.arange(nodes.meta.max_nodes, device=depths.device).expand_as(depths)
+    positions[nodes.rows] -= nodes.real_nodes(node - depths)
+
+
+def restore_linear_positions(positions: torch.Tensor, step: TreeStep) -> None:
+    """Put back the positions vLLM wrote (the drafter's context reads them)."""
+    positions[: step.linear_positions.shape[0]] = step.linear_positions
