@@ -43,7 +43,6 @@ from vllm.distributed import get_tp_group
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 
-from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.grammar import attach_tree_parents
 from vllm_tfm.vllm_glue.tree_graphs import (
@@ -51,7 +50,12 @@ from vllm_tfm.vllm_glue.tree_graphs import (
     budget_rule_for_graphs,
     graphable,
 )
-from vllm_tfm.vllm_glue.tree_step import TreeStep, install_step_slot, request_nodes
+from vllm_tfm.vllm_glue.tree_step import (
+    TreeStep,
+    build_tree_step,
+    install_step_slot,
+    tree_position_shifts,
+)
 
 logger = init_logger(__name__)
 
@@ -132,53 +136,24 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
                               "its drafts are not verified and it drafts no more")
         parents[r, :count] = np.arange(count) - 1
         void[r] = True
-    query_start = runner.query_start_loc.np[: num_reqs + 1].astype(np.int64)
-    first_node_row = query_start[1:] - num_nodes
-    node = np.arange(max_nodes)
-    token_rows = np.where(
-        node[None, :] < num_nodes[:, None], first_node_row[:, None] + node[None, :], -1
-    )
-    computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64)
-    prefix_lens = computed + num_scheduled_tokens[:num_reqs] - num_nodes
     device = runner.device
-    meta = build_tree_metadata(
-        torch.from_numpy(parents).to(device),
-        torch.from_numpy(num_nodes.astype(np.int32)).to(device),
-        conv_width=_conv_width(runner),
-        validate=False,
-    )
-    total = int(query_start[-1])
-    prefix_lens = torch.from_numpy(prefix_lens.astype(np.int32)).to(device)
-    trees = (num_drafts > 0).nonzero()[0]
-    scheduled = num_scheduled_tokens[:num_reqs]
-    return TreeStep(
-        req_ids=req_ids,
-        meta=meta,
-        token_rows=torch.from_numpy(token_rows).to(device),
-        prefix_lens=prefix_lens,
-        num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
-        linear_positions=runner.positions[:total].clone(),
-        has_trees=len(trees) > 0,
-        tree_nodes=(request_nodes(meta, prefix_lens, trees, first_node_row[trees],
-                                  num_nodes[trees]) if len(trees) else None),
-        only_tree_rows=bool(((scheduled == num_nodes) & (num_nodes > 1)).all()),
-        num_nodes_host=num_nodes,
+    return build_tree_step(
+        req_ids, torch.from_numpy(parents).to(device), num_nodes,
+        runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
+        runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
+        num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions, _conv_width(runner),
         void=torch.from_numpy(void).to(device) if void.any() else None,
     )
 
 
 def _apply_tree_positions(runner, step: TreeStep) -> None:
-    """RoPE sees node j at prefix + depth(j); slots stay linear (prefix + j). Only the
-    nodes of trees with drafts move (a root's depth is its index, 0)."""
-    nodes = step.tree_nodes
-    if nodes is None:
+    shifts = tree_position_shifts(step)
+    if shifts is None:
         return
-    depths = nodes.meta.depths.long()
-    node = torch.arange(nodes.meta.max_nodes, device=depths.device).expand_as(depths)
-    shift = nodes.real_nodes(node - depths)
-    runner.positions[nodes.rows] -= shift
+    rows, shift = shifts
+    runner.positions[rows] -= shift
     if runner.uses_mrope:
-        runner.mrope_positions.gpu[:, nodes.rows] -= shift
+        runner.mrope_positions.gpu[:, rows] -= shift
 
 
 def wrap_prepare_inputs(original):

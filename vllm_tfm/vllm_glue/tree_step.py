@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from triton_ops.tree_metadata import TreeMetadata
+from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 
 def select_requests(meta: TreeMetadata, index: torch.Tensor) -> TreeMetadata:
@@ -203,6 +203,54 @@ class TreeStep:
         mask = valid
         order[targets[mask]] = sources[mask]
         return order
+
+
+def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.ndarray,
+                    query_start: np.ndarray, computed: np.ndarray, scheduled: np.ndarray,
+                    positions: torch.Tensor, conv_width: int,
+                    void: torch.Tensor | None = None) -> TreeStep:
+    """The step of a batch whose request r scores the first ``num_nodes[r]`` nodes of its
+    tree ``parents[r]`` ([R, max nodes] on the device) as its last scheduled tokens (a
+    request without drafts: a tree of one node). Host arrays, one entry per request:
+    ``query_start`` [R + 1] vLLM's token offsets, ``computed`` tokens before this step,
+    ``scheduled`` tokens this step; ``positions`` the batch's linear positions (kept for
+    the drafter). Both runners build their steps here, from host counts only."""
+    device = parents.device
+    max_nodes = parents.shape[1]
+    meta = build_tree_metadata(parents, torch.from_numpy(num_nodes.astype(np.int32)).to(device),
+                               conv_width=conv_width, validate=False)
+    first_node_row = query_start[1:] - num_nodes
+    node = np.arange(max_nodes)
+    token_rows = np.where(node[None, :] < num_nodes[:, None],
+                          first_node_row[:, None] + node[None, :], -1)
+    prefix_lens = torch.from_numpy((computed + scheduled - num_nodes).astype(np.int32)).to(device)
+    trees = (num_nodes > 1).nonzero()[0]
+    return TreeStep(
+        req_ids=req_ids,
+        meta=meta,
+        token_rows=torch.from_numpy(token_rows).to(device),
+        prefix_lens=prefix_lens,
+        num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
+        linear_positions=positions[: int(query_start[-1])].clone(),
+        has_trees=len(trees) > 0,
+        tree_nodes=(request_nodes(meta, prefix_lens, trees, first_node_row[trees],
+                                  num_nodes[trees]) if len(trees) else None),
+        only_tree_rows=bool(((scheduled == num_nodes) & (num_nodes > 1)).all()),
+        num_nodes_host=num_nodes,
+        void=void,
+    )
+
+
+def tree_position_shifts(step: TreeStep) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, shift): RoPE sees node j at prefix + depth(j) while vLLM wrote prefix + j,
+    so each tree node's position drops by j - depth(j) (slots stay linear). None: no
+    tree has drafts (a root's depth is its index, 0)."""
+    nodes = step.tree_nodes
+    if nodes is None:
+        return None
+    depths = nodes.meta.depths.long()
+    node = torch.arange(nodes.meta.max_nodes, device=depths.device).expand_as(depths)
+    return nodes.rows, nodes.real_nodes(node - depths)
 
 
 # The key of an engine's StepSlot in its static forward context: the per-engine dict vLLM

@@ -15,9 +15,8 @@ import dataclasses
 import numpy as np
 import torch
 
-from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.drafting.tree import DraftTree
-from vllm_tfm.vllm_glue.tree_step import TreeStep, request_nodes
+from vllm_tfm.vllm_glue.tree_step import TreeStep, build_tree_step, tree_position_shifts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,42 +108,20 @@ def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int) -> TreeStep 
     num_reqs = input_batch.num_reqs
     num_drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
     num_nodes = num_drafts + 1
-    max_nodes = int(num_nodes.max())
-    device = input_batch.idx_mapping.device
-    parents = trees.kernel_parents(input_batch.idx_mapping[:num_reqs])[:, :max_nodes]
-    counts = torch.from_numpy(num_nodes.astype(np.int32)).to(device)
-    meta = build_tree_metadata(parents, counts, conv_width=conv_width, validate=False)
-    query_start = input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64)
-    first_node_row = query_start[1:] - num_nodes
-    node = np.arange(max_nodes)
-    token_rows = np.where(node[None, :] < num_nodes[:, None],
-                          first_node_row[:, None] + node[None, :], -1)
-    scheduled = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
-    computed = np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64)
-    prefix_lens = torch.from_numpy((computed + scheduled - num_nodes).astype(np.int32)).to(device)
-    with_trees = (num_drafts > 0).nonzero()[0]
-    total = int(query_start[-1])
-    return TreeStep(
-        req_ids=list(input_batch.req_ids[:num_reqs]),
-        meta=meta,
-        token_rows=torch.from_numpy(token_rows).to(device),
-        prefix_lens=prefix_lens,
-        num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
-        linear_positions=input_batch.positions[:total].clone(),
-        has_trees=True,
-        tree_nodes=request_nodes(meta, prefix_lens, with_trees, first_node_row[with_trees],
-                                 num_nodes[with_trees]),
-        only_tree_rows=bool(((scheduled == num_nodes) & (num_nodes > 1)).all()),
-        num_nodes_host=num_nodes,
+    parents = trees.kernel_parents(input_batch.idx_mapping[:num_reqs])[:, : int(num_nodes.max())]
+    return build_tree_step(
+        list(input_batch.req_ids[:num_reqs]), parents, num_nodes,
+        input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
+        np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64),
+        np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64),
+        input_batch.positions, conv_width,
     )
 
 
 def apply_tree_positions(positions: torch.Tensor, step: TreeStep) -> None:
     """RoPE sees node j at prefix + depth(j) (``positions`` holds prefix + j, in place)."""
-    nodes = step.tree_nodes
-    depths = nodes.meta.depths.long()
-    node = torch.arange(nodes.meta.max_nodes, device=depths.device).expand_as(depths)
-    positions[nodes.rows] -= nodes.real_nodes(node - depths)
+    rows, shift = tree_position_shifts(step)
+    positions[rows] -= shift
 
 
 def restore_linear_positions(positions: torch.Tensor, step: TreeStep) -> None:
