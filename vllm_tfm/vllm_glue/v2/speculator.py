@@ -120,7 +120,7 @@ class TreeSpeculator(DFlashSpeculator):
         slots = input_batch.idx_mapping[:num_reqs]
         if dummy_run or num_speculative_tokens == 0 or num_reqs == 0:
             return engine.trees.draft_tokens(slots)
-        roots = last_sampled[slots.long()].long()
+        roots = last_sampled[slots.long(), 0]  # vLLM keeps [max_num_reqs, 1]
         trees = draft_trees(
             self.options.tree, roots,
             CandidatePools(self.pool_ids[:num_reqs], self.pool_scores[:num_reqs]),
