@@ -126,3 +126,44 @@ def test_corpus_windows_come_from_their_split(built):
     batched.encode_all()
     assert [batched.encoded(i).tolist() for i in range(len(lazy))] == lazy
     assert batched.num_tokens == sum(map(len, lazy))
+
+
+def test_sharp_recipe_smoke_run_writes_a_family_within_its_size_budget(built, tmp_path):
+    from vllm_tfm.drafting.weaver_checkpoint import load_weaver
+    from vllm_tfm.tiny import family as tiny_family
+    from vllm_tfm.training import dflash, target, train_family
+
+    _, out, corpus_manifest = built
+    family_dir = tmp_path / "family"
+    argv = ["--recipe", "sharp", "--corpus", str(out), "--out", str(family_dir),
+            "--work", str(tmp_path / "work"), "--smoke", "--device", "cpu"]
+    manifest = train_family.main(argv)
+    assert set(manifest["recipe"]) == set(manifest["results"]) == {
+        "target", "features", "dflash", "weaver"}
+    assert manifest["command"].endswith(" ".join(argv))
+    assert f"--text {corpus.SOURCE_PREFIX}{out}" in manifest["recipe"]["target"]
+    assert f"--prompts {corpus.SOURCE_PREFIX}{out}" in manifest["recipe"]["features"]
+    assert manifest["data"]["heldout_packages"] == {"held": corpus_manifest["packages"]["held"]}
+    assert json.loads((family_dir / "corpus.json").read_text()) == corpus_manifest
+    results = manifest["results"]["target"]
+    assert results["tokens_read"] == 2 * 2 * 32 and results["text_tokens"] > 0
+    assert results["epochs"] == results["tokens_read"] / results["text_tokens"]
+
+    loaded = tiny_family.trained_family(family_dir)
+    config = json.loads((loaded.target / "config.json").read_text())
+    assert (config["vocab_size"], config["num_experts"], config["num_experts_per_tok"]) == (
+        VOCAB, 4, 2)
+    hidden = train_family.SHARP_TARGET["hidden_size"]
+    target.Target(loaded.target)
+    dflash.DFlashDrafter.load(loaded.dflash, hidden)
+    weaver = load_weaver(loaded.weaver, target_hidden_size=hidden)
+    assert weaver.config.d_rank == 192
+
+    # The smoke run has the real architecture: at the real corpus's 2048-token vocabulary
+    # (embedding and LM head grow) the three members stay within ~40 MB.
+    weights = sum((member / "model.safetensors").stat().st_size
+                  for member in (loaded.target, loaded.dflash, loaded.weaver))
+    assert weights + 2 * (2048 - VOCAB) * hidden * 2 <= 40e6
+
+    with pytest.raises(ValueError, match="--corpus is needed by --recipe sharp"):
+        train_family.main(["--recipe", "sharp", "--out", str(tmp_path / "x")])

@@ -182,14 +182,17 @@ def prompt_windows(source: str, split: str, target_dir: str | Path, vocab_size: 
     """Where a split's prompts come from: "stdlib" (windows of the split's standard-library
     modules), "corpus:<dir>" (windows of the split's files of a corpus built by corpus.py),
     "random" (uniform token ids), or a JSON-lines file of {"text": ...} (windows of its
-    texts); text is tokenised with target_dir's tokenizer.json."""
+    texts); text is tokenised with target_dir's tokenizer.json (a corpus's all at once)."""
     if source == "random":
         return RandomWindows(vocab_size)
     if source == "stdlib":
         return SourceWindows(load_tokenizer(target_dir), stdlib_sources(split))
     if source.startswith(corpus.SOURCE_PREFIX):
         texts = corpus.read_split(source[len(corpus.SOURCE_PREFIX):], split)
-        return SourceWindows(load_tokenizer(target_dir), texts=texts)
+        windows = SourceWindows(load_tokenizer(target_dir), texts=texts)
+        # Thousands of files: encoded at once, in parallel, not one by one as drawn.
+        windows.encode_all()
+        return windows
     if source.endswith(".jsonl"):
         return SourceWindows(load_tokenizer(target_dir), texts=read_jsonl_texts(source))
     raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {source!r}")
