@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_tfm.training import corpus, data
+from vllm_tfm.training import corpus, data, train_target
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 # Real Python text for the fake packages (enough for a BPE of a few hundred merges).
@@ -121,11 +121,20 @@ def test_corpus_windows_come_from_their_split(built):
     for row in windows.tolist():
         assert any(any(ids[i:i + 16] == row for i in range(len(ids) - 15))
                    for ids in heldout_ids)
-    lazy = [train.encoded(i).tolist() for i in range(len(train.documents))]
-    batched = data.prompt_windows(source, "train", out, VOCAB)
-    batched.encode_all()
-    assert [batched.encoded(i).tolist() for i in range(len(lazy))] == lazy
-    assert batched.num_tokens == sum(map(len, lazy))
+    # Encoded at once (batch encoder) = one by one on first use.
+    one_by_one = data.SourceWindows(tokenizer, texts=corpus.read_split(out, "train"))
+    lazy = [one_by_one.encoded(i).tolist() for i in range(len(one_by_one.documents))]
+    assert [train.encoded(i).tolist() for i in range(len(lazy))] == lazy
+    assert train.num_tokens == sum(map(len, lazy))
+    # The next reader of a split takes the ids the first one kept (marked here by a shift).
+    cache = corpus.ids_cache(out, "train", out / "tokenizer.json")
+    kept = data.torch.load(cache, weights_only=True)
+    data.torch.save({**kept, "ids": kept["ids"] + 1}, cache)
+    again = data.prompt_windows(source, "train", out, VOCAB)
+    assert [(again.encoded(i) - 1).tolist() for i in range(len(lazy))] == lazy
+    cache.unlink()
+    with pytest.raises(ValueError, match="--text must be stdlib or corpus:DIR"):
+        train_target.main(["--out", str(out / "x"), "--text", "random"])
 
 
 def test_sharp_recipe_smoke_run_writes_a_family_within_its_size_budget(built, tmp_path):

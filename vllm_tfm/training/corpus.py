@@ -31,6 +31,7 @@ import hashlib
 import json
 import lzma
 import sysconfig
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -192,6 +193,17 @@ def read_split(corpus: str | Path, split: str) -> list[str]:
     if hashlib.sha256(packed).hexdigest() != entry["sha256_file"]:
         raise ValueError(f"corpus {str(corpus)!r}: {entry['file']} is altered (sha256 mismatch)")
     return [json.loads(line)["text"] for line in lzma.decompress(packed).splitlines()]
+
+
+def ids_cache(corpus: str | Path, split: str, tokenizer_file: Path) -> Path:
+    """Where a split's token ids under one tokenizer are kept (`SourceWindows.encode_all`),
+    named by the split's and the tokenizer's sha256: under the temporary directory, not in
+    the corpus, which is carried to other machines (the ids take 4 bytes a token)."""
+    lines = read_manifest(corpus)["splits"][split]["sha256_lines"]
+    key = hashlib.sha256(f"{lines}:".encode() + tokenizer_file.read_bytes()).hexdigest()
+    folder = Path(tempfile.gettempdir()) / "vllm_tfm_corpus_ids"
+    folder.mkdir(exist_ok=True)
+    return folder / f"{split}.{key[:32]}.pt"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

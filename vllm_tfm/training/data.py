@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,14 +116,27 @@ class SourceWindows:
             self._ids[index] = torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.int64)
         return self._ids[index]
 
-    def encode_all(self) -> None:
+    def encode_all(self, cache: Path | None = None) -> None:
         """Encode every document now, in parallel (the tokenizer's batch encoder), instead of
-        one at a time on first use."""
+        one at a time on first use. `cache`: a file that holds the ids of exactly these
+        documents under this tokenizer (the caller's key): read when present, else written
+        (atomically: processes of a torchrun may race)."""
+        if cache is not None and cache.is_file():
+            stored = torch.load(cache, weights_only=True)
+            parts = stored["ids"].to(torch.int64).split(stored["lengths"].tolist())
+            self._ids = dict(enumerate(parts))
+            return
         pending = [i for i in range(len(self.documents)) if i not in self._ids]
         texts = [d.read_text(encoding="utf-8", errors="replace") if isinstance(d, Path) else d
                  for d in (self.documents[i] for i in pending)]
         for index, encoding in zip(pending, self.tokenizer.encode_batch(texts)):
             self._ids[index] = torch.tensor(encoding.ids, dtype=torch.int64)
+        if cache is not None:
+            ids = [self._ids[i] for i in range(len(self.documents))]
+            staging = cache.with_name(f"{cache.name}.{os.getpid()}")
+            torch.save({"ids": torch.cat(ids).to(torch.int32),
+                        "lengths": torch.tensor([t.numel() for t in ids])}, staging)
+            os.replace(staging, cache)
 
     @property
     def num_tokens(self) -> int:
@@ -188,10 +202,12 @@ def prompt_windows(source: str, split: str, target_dir: str | Path, vocab_size: 
     if source == "stdlib":
         return SourceWindows(load_tokenizer(target_dir), stdlib_sources(split))
     if source.startswith(corpus.SOURCE_PREFIX):
-        texts = corpus.read_split(source[len(corpus.SOURCE_PREFIX):], split)
-        windows = SourceWindows(load_tokenizer(target_dir), texts=texts)
-        # Thousands of files: encoded at once, in parallel, not one by one as drawn.
-        windows.encode_all()
+        corpus_dir = Path(source[len(corpus.SOURCE_PREFIX):])
+        windows = SourceWindows(load_tokenizer(target_dir),
+                                texts=corpus.read_split(corpus_dir, split))
+        # Thousands of files: encoded at once, in parallel, and kept beside the corpus for
+        # the next stage that reads them with the same tokenizer.
+        windows.encode_all(corpus.ids_cache(corpus_dir, split, Path(target_dir) / "tokenizer.json"))
         return windows
     if source.endswith(".jsonl"):
         return SourceWindows(load_tokenizer(target_dir), texts=read_jsonl_texts(source))
