@@ -10,41 +10,42 @@
 # 2. the recipe itself, stopped at the call's budget if it runs long (stages finished by
 #    then still come back);
 # 3. $OUT: the family and the run's records as one tar split in 15 MiB parts
-#    (tiny_sharp.tar.part-00, -01, ...; `cat tiny_sharp.tar.part-* | tar x` here), the log;
+#    (tiny_sharp.tar.part-00, -01, ...; `cat tiny_sharp.tar.part-* | tar x` in the
+#    repository root gives artifacts/tiny_sharp and artifacts/sharp_work), the log;
 #    a table of the stages' times last.
 set -u -o pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=true PYTHONPATH=$PWD
 CORPUS=artifacts/sharp_corpus
-RUN=/tmp/sharp
+FAMILY=artifacts/tiny_sharp
+WORK=artifacts/sharp_work
 START=$SECONDS
 BUDGET=${BUDGET:-570}
+DEVICE=${DEVICE:-cuda}   # cpu: a check of this script, not a run of the recipe
 LOG=$OUT/train_family.log
 
 python3 -c 'import torch, transformers, tokenizers; print("torch", torch.__version__,
   "transformers", transformers.__version__, "tokenizers", tokenizers.__version__,
-  torch.cuda.get_device_name())' 2>&1 | tee "$LOG"
+  torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu")' 2>&1 | tee "$LOG"
 
 echo "== smoke (CUDA, a few steps per stage)" | tee -a "$LOG"
-timeout 120 python3 tools/train_family.py --recipe sharp --corpus "$CORPUS" \
-  --out "$RUN/smoke" --work "$RUN/smoke_work" --smoke --device cuda >>"$LOG" 2>&1
+timeout 180 python3 tools/train_family.py --recipe sharp --corpus "$CORPUS" \
+  --out /tmp/sharp_smoke/family --work /tmp/sharp_smoke/work --smoke --device "$DEVICE" >>"$LOG" 2>&1
 smoke=$?
 echo "smoke rc=$smoke after $((SECONDS - START)) s" | tee -a "$LOG"
 
 if [ "$smoke" -eq 0 ]; then
   echo "== recipe" | tee -a "$LOG"
   timeout $((BUDGET - (SECONDS - START))) python3 tools/train_family.py --recipe sharp \
-    --corpus "$CORPUS" --out "$RUN/tiny_sharp" --work "$RUN/work" --device cuda >>"$LOG" 2>&1
+    --corpus "$CORPUS" --out "$FAMILY" --work "$WORK" --device "$DEVICE" >>"$LOG" 2>&1
   echo "recipe rc=$? after $((SECONDS - START)) s" | tee -a "$LOG"
 fi
 
-mkdir -p "$RUN/work"
-cd "$RUN" && tar cf - tiny_sharp work/results.json work/*.training.json work/*.training.png \
-  work/features/manifest.json 2>/dev/null | split -b 15m -d - "$OUT/tiny_sharp.tar.part-"
-cd - >/dev/null
+tar cf - "$FAMILY" "$WORK"/results.json "$WORK"/*.training.json "$WORK"/*.training.png \
+  "$WORK"/features/manifest.json 2>/dev/null | split -b 15m -d - "$OUT/tiny_sharp.tar.part-"
 
-python3 - "$RUN/work/results.json" <<'EOF' | tee -a "$LOG"
+python3 - "$WORK/results.json" <<'EOF' | tee -a "$LOG"
 import json, sys
 try:
     results = json.load(open(sys.argv[1]))

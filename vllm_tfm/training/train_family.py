@@ -34,11 +34,15 @@ on the training packages) and carried to the GPU machine with its manifest; its 
 written from `SHARP` and that corpus's tokenizer into --work/base. Sizes: target
 Qwen3-Next-style, 8 layers (GDN x3 + attention) x 2, hidden 384, layers 3 and 7 MoE with
 4 experts (top 2) and a shared expert (tensor parallelism up to 4 ranks can split them),
-the others dense: 12.4M parameters (24.9 MB bf16) at a 2048-token vocabulary; it reads
-1000 x 128 x 512 = 65.5M tokens, under one epoch of the ~85M training tokens, so it cannot
-overfit. Drafter: 2 Qwen3 layers, hidden 384 (3.6M, 7.2 MB). Weaver: d_rank 192, 4 heads,
-MLP 384 (~0.6M, 2.4 MB fp32). The target runs transformers' PyTorch GDN everywhere
-(`--fla off`): the GPU image has no fla, and at these sizes its kernels would buy little.
+the others dense: 12.4M parameters (24.9 MB bf16) at a 2048-token vocabulary. It reads
+800 steps x 256 windows x 256 tokens = 52.4M tokens, random windows of the ~94M tokens of
+the training packages (271 MB at 2.88 bytes a token): about half an epoch, so it cannot
+overfit (the held-out packages' loss is in the results). Drafter: 2 Qwen3 layers, hidden
+384 (3.6M, 7.2 MB), 3000 steps; Weaver: d_rank 192, 4 heads, MLP 384 (~0.6M, 2.4 MB fp32),
+1500 steps; both on 8192 target continuations. The target runs transformers' PyTorch GDN
+everywhere (`--fla off`): the GPU image has no fla, and at these sizes its kernels would
+buy little. Expected on one H200: ~8 minutes (an estimate scaled from the tiny recipe's
+2026-11-29 stage times, not measured).
 """
 
 from __future__ import annotations
