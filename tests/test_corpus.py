@@ -110,9 +110,12 @@ def test_bad_inputs_are_named(built, tmp_path):
         corpus.read_manifest(tmp_path)
 
 
-def test_corpus_windows_come_from_their_split(built):
+def test_corpus_windows_come_from_their_split(built, monkeypatch):
     _, out, _ = built
     source = f"{corpus.SOURCE_PREFIX}{out}"
+    # Encoded here, not read from a run before, and in slices of 3 of the 4 documents.
+    corpus.ids_cache(out, "train", out / "tokenizer.json").unlink(missing_ok=True)
+    monkeypatch.setattr(data, "ENCODE_SLICE", 3)
     held = data.prompt_windows(source, "heldout", out, VOCAB)
     train = data.prompt_windows(source, "train", out, VOCAB)
     tokenizer = data.load_tokenizer(out)

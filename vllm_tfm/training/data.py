@@ -45,6 +45,7 @@ HELDOUT_MODULES = (
 )
 _EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 SPLITS = ("train", "heldout")
+ENCODE_SLICE = 256  # documents per batch-encoder call
 
 
 def stdlib_root() -> Path:
@@ -129,8 +130,12 @@ class SourceWindows:
         pending = [i for i in range(len(self.documents)) if i not in self._ids]
         texts = [d.read_text(encoding="utf-8", errors="replace") if isinstance(d, Path) else d
                  for d in (self.documents[i] for i in pending)]
-        for index, encoding in zip(pending, self.tokenizer.encode_batch(texts)):
-            self._ids[index] = torch.tensor(encoding.ids, dtype=torch.int64)
+        # In slices: an Encoding also holds each token's string and offsets (the whole
+        # site-packages corpus at once took 14 GB).
+        for start in range(0, len(pending), ENCODE_SLICE):
+            encodings = self.tokenizer.encode_batch(texts[start : start + ENCODE_SLICE])
+            for index, encoding in zip(pending[start : start + ENCODE_SLICE], encodings):
+                self._ids[index] = torch.tensor(encoding.ids, dtype=torch.int64)
         if cache is not None:
             ids = [self._ids[i] for i in range(len(self.documents))]
             staging = cache.with_name(f"{cache.name}.{os.getpid()}")
