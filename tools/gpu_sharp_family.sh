@@ -5,6 +5,10 @@
 #   run(command="bash tools/gpu_sharp_family.sh", carry=["artifacts/sharp_corpus"],
 #       timeout_s=600)
 #
+# Expected wall time ~8-9 min (smoke ~1.5, target ~3, features ~1, drafter ~2, Weaver ~1.5:
+# scaled from the tiny recipe's H200 stage times, not measured); the recipe is stopped at
+# BUDGET (570 s) from the start, so the call ends inside its 600 s.
+#
 # 1. correctness first: the recipe's --smoke run on CUDA (every stage, a few steps), so a
 #    CUDA-only failure costs seconds, not the training;
 # 2. the recipe itself, stopped at the call's budget if it runs long (stages finished by
