@@ -7,7 +7,7 @@
 
 Two recipes (`--recipe`): "tiny", the committed family's (models/tiny_trained, see its
 README), on the standard library; "sharp", a larger target on a site-packages corpus
-(`SHARP`, below). Each stage runs one training tool with the recipe's arguments (`recipe`),
+(`SHARP_*`, below). Each stage runs one training tool with the recipe's arguments (`recipe`),
 resumable through the tool's checkpoint in --work:
 
   target   tools/train_target.py: the tiny family's Qwen3-Next config and tokenizer (from
@@ -31,10 +31,10 @@ the data are the machine's own standard library, so a different Python gives a d
 The sharp recipe reads a corpus built by tools/build_corpus.py (vllm_tfm/training/corpus.py:
 the sources of the project's own site-packages, split by package, with a tokenizer trained
 on the training packages) and carried to the GPU machine with its manifest; its --base is
-written from `SHARP` and that corpus's tokenizer into --work/base. Sizes: target
-Qwen3-Next-style, 8 layers (GDN x3 + attention) x 2, hidden 384, layers 3 and 7 MoE with
-4 experts (top 2) and a shared expert (tensor parallelism up to 4 ranks can split them),
-the others dense: 12.4M parameters (24.9 MB bf16) at a 2048-token vocabulary. It reads
+written from `SHARP_TARGET`, `SHARP_DFLASH` and that corpus's tokenizer into --work/base.
+Sizes: target Qwen3-Next-style, 8 layers (GDN x3 + attention) x 2, hidden 384, layers 3
+and 7 MoE with 4 experts (top 2) and a shared expert (tensor parallelism up to 4 ranks can
+split them), the others dense: 12.4M parameters (24.9 MB bf16) at a 2048-token vocabulary. It reads
 800 steps x 256 windows x 256 tokens = 52.4M tokens, random windows of the ~94M tokens of
 the training packages (271 MB at 2.88 bytes a token): about half an epoch, so it cannot
 overfit (the held-out packages' loss is in the results). Drafter: 2 Qwen3 layers, hidden
@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         raise ValueError("--corpus is needed by --recipe sharp and only by it, got "
                          f"--recipe {args.recipe} with --corpus {args.corpus}")
     if args.recipe == "sharp" and args.base is not None:
-        raise ValueError("--recipe sharp writes its own base (from SHARP and the corpus): "
+        raise ValueError("--recipe sharp writes its own base (from SHARP_* and the corpus): "
                          "drop --base")
     return args
 
