@@ -226,25 +226,24 @@ def family_build_hash() -> str:
     return digest.hexdigest()
 
 
-def build_tokenizer(out_dir: Path) -> None:
-    """Byte-level BPE (vocab `VOCAB_SIZE`, special tokens first at ids 0..3) trained on
-    `CORPUS_FILES`; writes tokenizer.json and tokenizer_config.json (ChatML template)."""
+def train_tokenizer(texts: list[str], out_dir: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """Byte-level BPE (vocab `vocab_size`, `SPECIAL_TOKENS` first at ids 0..3) trained on
+    `texts`; writes tokenizer.json and tokenizer_config.json (ChatML template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [path.read_text(encoding="utf-8") for path in corpus_paths()]
     tokenizer.train_from_iterator(texts, trainer)
-    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+    if tokenizer.get_vocab_size() != vocab_size:
         raise RuntimeError(
-            f"BPE training gave {tokenizer.get_vocab_size()} tokens, want {VOCAB_SIZE}"
+            f"BPE training gave {tokenizer.get_vocab_size()} tokens, want {vocab_size}"
         )
     tokenizer.save(str(out_dir / "tokenizer.json"))
     tokenizer_config = {
@@ -256,6 +255,11 @@ def build_tokenizer(out_dir: Path) -> None:
         "chat_template": CHAT_TEMPLATE,
     }
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config)
+
+
+def build_tokenizer(out_dir: Path) -> None:
+    """The family's tokenizer: `train_tokenizer` on `CORPUS_FILES`."""
+    train_tokenizer([path.read_text(encoding="utf-8") for path in corpus_paths()], out_dir)
 
 
 def _generator(name: str) -> torch.Generator:

@@ -1,6 +1,6 @@
 """Training and evaluation text: Python's standard-library sources (the built-in prompt
-source; a JSON-lines file of texts or random ids are the others, `prompt_windows`) and the
-target's continuations of prompts.
+source; a site-packages corpus (corpus.py), a JSON-lines file of texts or random ids are the
+others, `prompt_windows`) and the target's continuations of prompts.
 
 The modules in `HELDOUT_MODULES` never reach a training batch: evaluation prompts and
 held-out losses come from them only. Everything else under the stdlib directory (tests and
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from typing import Sequence
 import torch
 from tqdm import tqdm
 
+from vllm_tfm.training import corpus
 from vllm_tfm.training.features import file_sha256
 
 # Modules held out of every training set (none is in the tokenizer's corpus either).
@@ -43,6 +45,7 @@ HELDOUT_MODULES = (
 )
 _EXCLUDED_PARTS = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
 SPLITS = ("train", "heldout")
+ENCODE_SLICE = 256  # documents per batch-encoder call
 
 
 def stdlib_root() -> Path:
@@ -114,6 +117,38 @@ class SourceWindows:
             self._ids[index] = torch.tensor(self.tokenizer.encode(text).ids, dtype=torch.int64)
         return self._ids[index]
 
+    def encode_all(self, cache: Path | None = None) -> None:
+        """Encode every document now, in parallel (the tokenizer's batch encoder), instead of
+        one at a time on first use. `cache`: a file that holds the ids of exactly these
+        documents under this tokenizer (the caller's key): read when present, else written
+        (atomically: processes of a torchrun may race)."""
+        if cache is not None and cache.is_file():
+            stored = torch.load(cache, weights_only=True)
+            parts = stored["ids"].to(torch.int64).split(stored["lengths"].tolist())
+            self._ids = dict(enumerate(parts))
+            return
+        pending = [i for i in range(len(self.documents)) if i not in self._ids]
+        texts = [d.read_text(encoding="utf-8", errors="replace") if isinstance(d, Path) else d
+                 for d in (self.documents[i] for i in pending)]
+        # In slices: an Encoding also holds each token's string and offsets (the whole
+        # site-packages corpus at once took 14 GB).
+        for start in range(0, len(pending), ENCODE_SLICE):
+            encodings = self.tokenizer.encode_batch(texts[start : start + ENCODE_SLICE])
+            for index, encoding in zip(pending[start : start + ENCODE_SLICE], encodings):
+                self._ids[index] = torch.tensor(encoding.ids, dtype=torch.int64)
+        if cache is not None:
+            ids = [self._ids[i] for i in range(len(self.documents))]
+            staging = cache.with_name(f"{cache.name}.{os.getpid()}")
+            torch.save({"ids": torch.cat(ids).to(torch.int32),
+                        "lengths": torch.tensor([t.numel() for t in ids])}, staging)
+            os.replace(staging, cache)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in all documents (encodes them all)."""
+        self.encode_all()
+        return sum(ids.numel() for ids in self._ids.values())
+
     def sample(self, count: int, length: int, generator: torch.Generator) -> torch.Tensor:
         """[count, length] int64 windows, drawn with `generator` (CPU)."""
         if count < 0 or length < 1:
@@ -159,17 +194,26 @@ def read_jsonl_texts(path: str | Path) -> list[str]:
     return texts
 
 
-PROMPT_SOURCES = ("stdlib", "random", "<file>.jsonl")
+PROMPT_SOURCES = ("stdlib", f"{corpus.SOURCE_PREFIX}<dir>", "random", "<file>.jsonl")
 
 
 def prompt_windows(source: str, split: str, target_dir: str | Path, vocab_size: int):
     """Where a split's prompts come from: "stdlib" (windows of the split's standard-library
-    modules), "random" (uniform token ids), or a JSON-lines file of {"text": ...} (windows
-    of its texts, tokenised with target_dir's tokenizer.json)."""
+    modules), "corpus:<dir>" (windows of the split's files of a corpus built by corpus.py),
+    "random" (uniform token ids), or a JSON-lines file of {"text": ...} (windows of its
+    texts); text is tokenised with target_dir's tokenizer.json (a corpus's all at once)."""
     if source == "random":
         return RandomWindows(vocab_size)
     if source == "stdlib":
         return SourceWindows(load_tokenizer(target_dir), stdlib_sources(split))
+    if source.startswith(corpus.SOURCE_PREFIX):
+        corpus_dir = Path(source[len(corpus.SOURCE_PREFIX):])
+        windows = SourceWindows(load_tokenizer(target_dir),
+                                texts=corpus.read_split(corpus_dir, split))
+        # Thousands of files: encoded at once, in parallel, and kept beside the corpus for
+        # the next stage that reads them with the same tokenizer.
+        windows.encode_all(corpus.ids_cache(corpus_dir, split, Path(target_dir) / "tokenizer.json"))
+        return windows
     if source.endswith(".jsonl"):
         return SourceWindows(load_tokenizer(target_dir), texts=read_jsonl_texts(source))
     raise ValueError(f"prompts must be one of {PROMPT_SOURCES}, got {source!r}")

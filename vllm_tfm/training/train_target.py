@@ -1,14 +1,18 @@
-"""Train the tiny Qwen3-Next target as a language model of Python's standard-library sources.
+"""Train the tiny Qwen3-Next target as a language model of Python sources.
 
     python tools/train_target.py --out artifacts/trained_tiny/target [--steps 3000] \
-        [--batch 64] [--seq-len 256] [--config DIR] [--init DIR] [--device auto|cpu|cuda]
+        [--batch 64] [--seq-len 256] [--config DIR] [--init DIR] [--device auto|cpu|cuda] \
+        [--text stdlib|corpus:DIR]
 
 Takes the architecture and tokenizer from --config (default: the tiny family's target)
 and starts from transformers' own initialisation of that config (seeded by --seed), or
 from the weights in --init. (The family's random target is built to look like a trained
 model to the engine, peaky logits of std 8 included: as a starting point its loss is
 ~40 nats.) Minimises next-token cross-entropy on random token windows of the training
-modules (vllm_tfm/training/data.py); held-out modules give the eval loss.
+modules (vllm_tfm/training/data.py), or of a site-packages corpus's training packages
+(`--text corpus:DIR`, vllm_tfm/training/corpus.py); the held-out modules or packages give
+the eval loss. The summary states the training text's size in tokens and how many the run
+read (`epochs`).
 transformers runs the model (PyTorch GDN path; fla hidden), fp32 weights, bf16 autocast
 on CUDA; several processes through torchrun (vllm_tfm/training/loop.py). AdamW, warm-up + cosine. Writes a transformers model directory in bf16 with the
 --config's tokenizer files (what tiny_family's target directory holds); resumable state in
@@ -27,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_tfm.training import data
+from vllm_tfm.training import corpus, data
 from vllm_tfm.training.loop import (
     Job,
     add_run_args,
@@ -51,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default: a fresh initialisation)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--eval-batches", type=int, default=4)
+    parser.add_argument("--text", default="stdlib",
+                        help=f"training text: stdlib or {corpus.SOURCE_PREFIX}DIR")
     add_run_args(parser, steps=3000, lr=3e-3, weight_decay=0.1, warmup=100, save_every=500,
                  batch=64)
     return parser.parse_args(argv)
@@ -90,13 +96,15 @@ def save_model(model, config_dir: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.text != "stdlib" and not args.text.startswith(corpus.SOURCE_PREFIX):
+        raise ValueError(f"--text must be stdlib or {corpus.SOURCE_PREFIX}DIR, got {args.text!r}")
     fill_family_defaults(args, config="target")
     config_dir, out = Path(args.config), Path(args.out)
     runtime = setup_runtime(args.device, args.threads)
     model = initial_model(config_dir, args.init and Path(args.init), args.seed, runtime.device)
-    tokenizer = data.load_tokenizer(config_dir)
-    windows = data.SourceWindows(tokenizer, data.stdlib_sources("train"))
-    held = data.SourceWindows(tokenizer, data.stdlib_sources("heldout")).sample(
+    vocab = model.config.vocab_size
+    windows = data.prompt_windows(args.text, "train", config_dir, vocab)
+    held = data.prompt_windows(args.text, "heldout", config_dir, vocab).sample(
         args.eval_batches * args.batch, args.seq_len + 1, step_generator(args.seed, -1)
     )
     objective = NextTokenObjective(model)
@@ -114,7 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     job = Job(name="target", model=model, objective=objective, sample=sample,
               evaluate=evaluate, export=lambda step: save_model(model, config_dir, out))
-    return report(runtime, train(args, runtime, job, out).summary(out=str(out)))
+    read = args.steps * args.batch * args.seq_len
+    return report(runtime, train(args, runtime, job, out).summary(
+        out=str(out), text_tokens=windows.num_tokens, tokens_read=read,
+        epochs=read / windows.num_tokens,
+        parameters=sum(p.numel() for p in model.parameters())))
 
 
 if __name__ == "__main__":
