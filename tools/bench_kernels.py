@@ -469,8 +469,6 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
 # Launch configurations the sweep times per verify kernel:
 # (output / tile BV, its warps, prepare / stage warps, precision).
 SWEEP_CONFIGS = {
-    "staged": [(32, 8, 4, "tf32x3"), (32, 4, 4, "tf32x3"), (32, 8, 8, "tf32x3"), (64, 8, 4, "tf32x3"),
-               (64, 4, 4, "tf32x3"), (32, 8, 4, "tf32")],
     "default": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
     + [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")],
 }

@@ -31,19 +31,6 @@ inverted row by row in plain fp32 (stable for repeated keys, where powers of A
 explode), merged by forward substitution over the 16-row blocks. Both split
 kernels stop at each request's own node count: padding blocks cost nothing.
 
-Verify, "staged" (any N; three launches, no program waits on another of its
-launch, so that at B = 1 the heads spread over NP / 16 or V / BV programs each):
-
-1. ``_staged_blocks_kernel``, per (request, value head, 16-row block r): G, the
-   block row ``A_r,<r``, ``D_r = (I + A_rr)^{-1}`` (its 16x16 diagonal block,
-   row by row in fp32) and ``P_r,<=r``.
-2. ``_staged_inverse_kernel``, per (request, value head, 16-column block c): the
-   column block of ``T = (I + A)^{-1} diag(beta)`` by block forward substitution
-   down the rows (``X_c = D_c``, ``X_r = -D_r A_r,<r X``) and of ``P T``.
-3. ``_staged_output_kernel``, per (request, value head, BV value columns, 64-row
-   block r): with ``U = V - diag(e^G rk) K S0``, ``Delta_r = sum_c T_rc U_c`` and
-   ``O_r = diag(e^G rq) Q_r S0 + sum_c (P T)_rc U_c`` (c <= r).
-
 Commit runs one program per (request, value head, K block, V block).
 
 Dot precision (``precision`` = PREC, tf32x3 by default): ``K K^T`` and ``Q K^T``
@@ -52,8 +39,7 @@ inputs at PREC. ``K S0`` and ``Q S0`` of bf16 inputs (PREC not tf32): the fp32
 state as three bf16 parts hi + mid + lo (off by < 2^-24 relative) against the exact
 bf16 keys, three native dots whose products are exact in the fp32 accumulator:
 fp32 accuracy without fp32 copies of K and Q; otherwise at PREC. The merges of
-the triangular solve, ``T U``, ``A Delta``, ``P Delta``, the staged kernel's
-``A X``, ``D y``, ``P T``, ``T U``, ``(P T) U`` and commit's ``K^T Delta`` at PREC.
+the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's ``K^T Delta`` at PREC.
 
 Path sums G are accumulated and kept in float64; inside the kernels they are
 split into fp32 (hi, lo) pairs so that ``G_i - G_j`` is accurate in fp32 (see
@@ -83,7 +69,7 @@ MIN_BLOCK_V = 32
 
 # Largest node count the tile kernel holds in one tile.
 TILE_MAX_NODES = 64
-VERIFY_KERNELS = ("tile", "split", "staged")
+VERIFY_KERNELS = ("tile", "split")
 
 
 def default_verify_kernel(NP: int) -> str:
@@ -104,15 +90,6 @@ def default_output_config(heads: int, V: int) -> tuple[int, int]:
     small so that the programs cover the GPU."""
     BV = 32 if heads < 512 else 64
     return max(MIN_BLOCK_V, min(BV, dot_block(V))), 4
-
-
-def default_staged_config(NP: int) -> tuple[int, int, int]:
-    """(warps of the block and inverse stages, BV and warps of the output stage) of
-    the staged kernel. Compiled for sm_90 (Triton 3.9) these keep every stage free
-    of spills at NP = 64 (output 230 registers at 8 warps, 4 warps spill 128 B); at
-    NP = 128 the block stage needs 8 warps (4 spill 960 B), the output stage spills
-    264 B."""
-    return (4 if NP <= TILE_MAX_NODES else 8), MIN_BLOCK_V, 8
 
 
 @triton.jit
@@ -194,23 +171,6 @@ def dot_parts(x, hi, mid, lo, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, NATI
     else:
         acc = tl.dot(x.to(tl.float32), hi, acc, input_precision=PREC)
     return acc
-
-
-@triton.jit
-def state_product(x, rows, n_rows, stride_xn, stride_xk, state, cv, stride_sk, stride_sv, K, V,
-                  R: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-                  PREC: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
-    """(``x_rows S0`` [R, BV] for the state columns ``cv``, the rows' squared norms),
-    in K chunks of BKC, the state through :func:`bf16_parts` / :func:`dot_parts`."""
-    xs = tl.zeros([R, BV], dtype=tl.float32)
-    x_sq = tl.zeros([R], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        ck = j * BKC + tl.arange(0, BKC)
-        s_hi, s_mid, s_lo = bf16_parts(load_rows(state, ck, cv, stride_sk, stride_sv, K, V), SPLIT)
-        b_x = load_chunk(x, rows, ck, stride_xn, stride_xk, n_rows, K)
-        xs = dot_parts(b_x, s_hi, s_mid, s_lo, xs, PREC, SPLIT, NATIVE)
-        x_sq += tl.sum(b_x.to(tl.float32) * b_x.to(tl.float32), axis=1)
-    return xs, x_sq
 
 
 @triton.jit
@@ -572,207 +532,6 @@ def _verify_output_kernel(
 
 
 @triton.jit
-def _staged_blocks_kernel(
-    q, k, g, beta, words, num_nodes,
-    gate_sum, k_normed, a_off, d_inv, scores,
-    stride_qb, stride_qn, stride_qh, stride_qk,
-    stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_gb, stride_gn, stride_gh,
-    stride_bb, stride_bn, stride_bh,
-    scale, N, HV, K, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
-):
-    """Stage 1, one program per (request, value head, BT-row block r): G of the
-    block's rows, ``A_r,<r`` (the block row left of its diagonal block), the
-    inverse ``(I + A_rr)^{-1}`` of its diagonal block and ``P_r,<=r``."""
-    i_r = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    h = hv // GROUP
-    H = HV // GROUP
-    n_b = tl.load(num_nodes + b)
-    rows = i_r * BT + tl.arange(0, BT)
-    cols = tl.arange(0, NP)
-    q += b * stride_qb + h * stride_qh
-    k += b * stride_kb + h * stride_kh
-    g += b * stride_gb + hv * stride_gh
-    beta += b * stride_bb + hv * stride_bh
-    words += b * N * W
-    # Workspace bases as scalars: int64 offsets per element would double the registers of every tile.
-    a_off += i_bh.to(tl.int64) * NP * NP
-    scores += i_bh.to(tl.int64) * NP * NP
-    d_inv += i_bh.to(tl.int64) * NP * BT
-
-    # Padding rows get G = 0 and zero keys: their loads are masked off.
-    g_r = path_sums(g, stride_gn, words, 0, rows, n_b, W, BT)
-    tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
-    # Columns past this block never meet its rows: the dots stop at its end.
-    n_c = tl.minimum(n_b, (i_r + 1) * BT)
-    kk = tl.zeros([NP, BT], dtype=tl.float32)
-    qk = tl.zeros([NP, BT], dtype=tl.float32)
-    kd = tl.zeros([BT, BT], dtype=tl.float32)
-    k_sq = tl.zeros([BT], dtype=tl.float32)
-    kc_sq = tl.zeros([NP], dtype=tl.float32)
-    q_sq = tl.zeros([BT], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        ck = j * BKC + tl.arange(0, BKC)
-        b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-        b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_c, K)
-        # [NP, BT] products: with BT rows the warps of an mma would each redo the
-        # whole product (a replicated [BKC, NP] operand: 255 registers and spills).
-        kk += dot_raw(b_kc, tl.trans(b_k), PREC, LOWP_QK)
-        qk += dot_raw(b_kc, tl.trans(b_q), PREC, LOWP_QK)
-        kd += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-        kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
-        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([BT], 1.0, dtype=tl.float32)
-    rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
-    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([BT], scale, dtype=tl.float32)
-    if hv % GROUP == 0:  # one program per key head stores the keys commit reads
-        for j in tl.static_range(BK // BKC):
-            ck = j * BKC + tl.arange(0, BKC)
-            k_f32 = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K)
-            tl.store(
-                k_normed + b * N * H * K + h * K + rows[:, None] * H * K + ck[None, :],
-                k_f32 * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
-            )
-    # Blocks of padding rows write no workspace: the later stages never read it.
-    if i_r * BT < n_b:
-        b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
-        g_c = path_sums(g, stride_gn, words, 0, cols, n_c, W, BT)
-        decay = masked_decay(ancestor_bits(words, 0, rows, cols, W, n_c), g_r, g_c)
-        at = rows[:, None] * NP + cols[None, :]
-        tl.store(a_off + at, tl.trans(kk) * (rk[:, None] * rkc[None, :]) * decay * b_beta[:, None],
-                 mask=cols[None, :] < i_r * BT)
-        tl.store(scores + at, tl.trans(qk) * (rq[:, None] * rkc[None, :]) * decay,
-                 mask=cols[None, :] < (i_r + 1) * BT)
-        decay = masked_decay(ancestor_bits(words, 0, rows, rows, W, n_b), g_r, g_r)
-        a_d = tl.where(rows[:, None] > rows[None, :], kd * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-        pos = tl.arange(0, BT)
-        inv = tl.reshape(batched_unit_lower_inverse(tl.reshape(a_d, [1, BT, BT]), 1, BT), [BT, BT])
-        tl.store(d_inv + rows[:, None] * BT + pos[None, :], inv)
-
-
-@triton.jit
-def _staged_inverse_kernel(
-    beta, num_nodes, a_off, d_inv, scores, solve, solve_scores,
-    stride_bb, stride_bn, stride_bh,
-    HV,
-    NP: tl.constexpr, BT: tl.constexpr, RC: tl.constexpr, PREC: tl.constexpr,
-):
-    """Stage 2, one program per (request, value head, BT-column block c): column
-    block c of ``T = (I + A)^{-1} diag(beta)`` by block forward substitution down
-    the rows (``X_c = D_c``, ``X_r = -D_r A_r,<r X``), and of ``P T``. Column
-    blocks are independent: at B = 1 a head spreads over NP / BT programs."""
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    n_b = tl.load(num_nodes + b)
-    NB: tl.constexpr = NP // BT
-    if i_c * BT < n_b:
-        ws = i_bh.to(tl.int64) * NP * NP
-        a_off += ws
-        scores += ws
-        solve += ws
-        solve_scores += ws
-        d_inv += i_bh.to(tl.int64) * NP * BT
-        nodes = tl.arange(0, NP)
-        blk = nodes // BT
-        pos = tl.arange(0, BT)
-        # X holds the column block for all NP rows, zero in the rows not yet solved:
-        # A_r,<r X then only sees final rows (and A has no rows above c in them).
-        x = tl.load(d_inv + nodes[:, None] * BT + pos[None, :], mask=blk[:, None] == i_c, other=0.0)
-        for r in range(i_c + 1, tl.cdiv(n_b, BT)):
-            rows = r * BT + pos
-            a_r = tl.load(a_off + rows[:, None] * NP + nodes[None, :],
-                          mask=(nodes[None, :] < r * BT) & (blk[None, :] >= i_c), other=0.0)
-            y = tl.dot(a_r, x, input_precision=PREC)
-            x_r = -tl.dot(tl.load(d_inv + rows[:, None] * BT + pos[None, :]), y, input_precision=PREC)
-            x3 = tl.reshape(x, [NB, BT, BT])
-            x3 = tl.where((tl.arange(0, NB) == r)[:, None, None], x_r[None, :, :], x3)
-            x = tl.reshape(x3, [NP, BT])
-        cols = i_c * BT + pos
-        b_beta = tl.load(beta + b * stride_bb + hv * stride_bh + cols * stride_bn, mask=cols < n_b, other=0.0)
-        x = x * b_beta.to(tl.float32)[None, :]
-        tl.store(solve + nodes[:, None] * NP + cols[None, :], x)
-        # (P T) column block: P is block lower triangular and X zero above block c.
-        for i in tl.static_range(NP // RC):
-            prow = i * RC + tl.arange(0, RC)
-            p = tl.load(scores + prow[:, None] * NP + nodes[None, :],
-                        mask=(prow[:, None] < n_b) & (blk[None, :] <= prow[:, None] // BT)
-                        & (blk[None, :] >= i_c) & (nodes[None, :] < n_b), other=0.0)
-            tl.store(solve_scores + prow[:, None] * NP + cols[None, :], tl.dot(p, x, input_precision=PREC))
-
-
-@triton.jit
-def _staged_output_kernel(
-    q, k, v, state, slots, num_nodes,
-    gate_sum, solve, solve_scores, o, delta,
-    stride_qb, stride_qn, stride_qh, stride_qk,
-    stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_vb, stride_vn, stride_vh, stride_vv,
-    stride_ss, stride_sh, stride_sk, stride_sv,
-    scale, N, HV, K, V,
-    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
-):
-    """Stage 3, one program per (request, value head, BV value columns, SB-row
-    block r): ``U_c = V_c - diag(e^G rk) K_c S0`` for the blocks c <= r, then
-    ``Delta_r = sum_c T_rc U_c`` and ``O_r = diag(e^G rq) Q_r S0 + sum_c (P T)_rc U_c``:
-    no dependence between programs, S0 read once per program."""
-    i_v = tl.program_id(0)
-    i_r = tl.program_id(1)
-    i_bh = tl.program_id(2)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    h = hv // GROUP
-    n_b = tl.load(num_nodes + b)
-    slot = tl.load(slots + b).to(tl.int64)
-    cv = i_v * BV + tl.arange(0, BV)
-    rows = i_r * SB + tl.arange(0, SB)
-    q += b * stride_qb + h * stride_qh
-    k += b * stride_kb + h * stride_kh
-    v += b * stride_vb + hv * stride_vh
-    state += slot * stride_ss + hv * stride_sh
-    gate_sum += b * N * HV + hv
-    solve += i_bh.to(tl.int64) * NP * NP
-    solve_scores += i_bh.to(tl.int64) * NP * NP
-    o += b * N * HV * V + hv * V
-    delta += b * N * HV * V + hv * V
-    out = rows[:, None] * HV * V + cv[None, :]
-    out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-    d = tl.zeros([SB, BV], dtype=tl.float32)
-    b_o = tl.zeros([SB, BV], dtype=tl.float32)
-    # Row blocks past the last real node keep their zeros, as documented for padding.
-    if i_r * SB < n_b:
-        qs, q_sq = state_product(q, rows, n_b, stride_qn, stride_qk, state, cv, stride_sk, stride_sv, K, V,
-                                 SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
-        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
-        e_g = tl.exp(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0).to(tl.float32))
-        b_o = (e_g * rq)[:, None] * qs
-        for c in tl.static_range(NP // SB):
-            if c <= i_r:
-                cols = c * SB + tl.arange(0, SB)
-                ks, k_sq = state_product(k, cols, n_b, stride_kn, stride_kk, state, cv, stride_sk, stride_sv,
-                                         K, V, SB, BK, BKC, BV, PREC, SPLIT_S0, NATIVE)
-                rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-                e_gc = tl.exp(tl.load(gate_sum + cols * HV, mask=cols < n_b, other=0.0).to(tl.float32))
-                u = load_rows(v, cols, cv, stride_vn, stride_vv, n_b, V) - (e_gc * rk)[:, None] * ks
-                at = rows[:, None] * NP + cols[None, :]
-                tile = (rows[:, None] < n_b) & (cols[None, :] < n_b)
-                d += tl.dot(tl.load(solve + at, mask=tile, other=0.0), u, input_precision=PREC)
-                b_o += tl.dot(tl.load(solve_scores + at, mask=tile, other=0.0), u, input_precision=PREC)
-    tl.store(delta + out, d, mask=out_mask)
-    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
-
-
-@triton.jit
 def _commit_kernel(
     state, slots, leaves, words, delta, gate_sum, k_normed,
     stride_ss, stride_sh, stride_sk, stride_sv,
@@ -874,33 +633,6 @@ def verify_triton(
     # Workspace: only the blocks a request's own rows need are written and read.
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
-    if kernel == "staged":
-        stage_warps, BV, warps = default_staged_config(NP)
-        a_off = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
-        d_inv = torch.empty(B * HV, NP, ROW_BLOCK, dtype=torch.float32, device=dev)
-        solve_scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
-        _staged_blocks_kernel[(NP // ROW_BLOCK, B * HV)](
-            q, k, g, beta, words, meta.num_nodes,
-            gate_sum, k_normed, a_off, d_inv, scores,
-            *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
-            scale, N, HV, K, words.shape[-1],
-            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
-            PREC=precision, LOWP_QK=lowp, num_warps=prepare_warps or stage_warps,
-        )
-        _staged_inverse_kernel[(NP // ROW_BLOCK, B * HV)](
-            beta, meta.num_nodes, a_off, d_inv, scores, solve, solve_scores, *beta.stride(), HV,
-            NP=NP, BT=ROW_BLOCK, RC=SB, PREC=precision, num_warps=prepare_warps or stage_warps,
-        )
-        BV = max(MIN_BLOCK_V, block_v or BV)
-        _staged_output_kernel[(triton.cdiv(V, BV), NP // SB, B * HV)](
-            q, k, v, ssm_state, state_slots, meta.num_nodes,
-            gate_sum, solve, solve_scores, o, delta,
-            *q.stride(), *k.stride(), *v.stride(), *ssm_state.stride(),
-            scale, N, HV, K, V,
-            GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), BV=BV, USE_L2=use_qk_l2norm,
-            PREC=precision, SPLIT_S0=split_s0, NATIVE=native, num_warps=num_warps or warps,
-        )
-        return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     common = dict(GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
                   PREC=precision)
     _verify_prepare_kernel[(NP // SB, B * HV)](

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 
 RUNNERS = ("v1", "v2")
-# The runner dflash_tfm takes where V2 can run and the user chose none. "v1" until the GPU
-# proof of the V2 tree path (tools/gpu_vllm/run_v2_tree.sh) passes; then flip to "v2".
+# The runner dflash_tfm takes where V2 can run and the user chose none. "v1" while the V2
+# tree path refuses sampling features V1 serves (top-k / top-p, penalties, logprobs,
+# structured outputs) and has passed one GPU check only (Weaver under FULL graphs, H200,
+# 2026-12-02: BENCHMARKS.md); then flip to "v2".
 DEFAULT_TREE_RUNNER = "v1"
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _ENV_VALUES = {"0": "v1", "1": "v2"}
