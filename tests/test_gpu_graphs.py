@@ -43,15 +43,23 @@ def _gpu_e2e(*arguments: str) -> int:
     return subprocess.run(command, env={**env, "PYTHONUNBUFFERED": "1"}, timeout=540).returncode
 
 
-@pytest.mark.parametrize("cudagraphs", ["default", "full-decode"])
-def test_tree_steps_stay_lossless_under_cuda_graphs(tmp_path, cudagraphs):
+def _run_tiny(tmp_path, *arguments: str) -> tuple[int, str, dict]:
+    """Build the tiny models, run ``gpu_e2e.py run`` on them (32 tokens a prompt) with
+    ``arguments``: (exit status, the markdown report, the rows by configuration)."""
     models = tmp_path / "models"
     assert _gpu_e2e("build", str(models)) == 0
     status = _gpu_e2e("run", "--models", str(models), "--out", str(tmp_path), "--max-tokens",
-                      "32", "--cudagraphs", cudagraphs, "--configs", "weaver B=64",
-                      "ddtree B=33", "vLLM dflash")
+                      "32", *arguments)
+    report = (tmp_path / "gpu_e2e.md").read_text()
     rows = {row["config"]: row for row in json.loads((tmp_path / "gpu_e2e.json").read_text())}
-    assert status == 0, (tmp_path / "gpu_e2e.md").read_text()
+    return status, report, rows
+
+
+@pytest.mark.parametrize("cudagraphs", ["default", "full-decode"])
+def test_tree_steps_stay_lossless_under_cuda_graphs(tmp_path, cudagraphs):
+    status, report, rows = _run_tiny(tmp_path, "--cudagraphs", cudagraphs, "--configs",
+                                     "weaver B=64", "ddtree B=33", "vLLM dflash")
+    assert status == 0, report
     assert set(rows) == {"no speculation", "dflash_tfm weaver B=64", "dflash_tfm ddtree B=33",
                          "vLLM dflash (chain, 15)"}
     # The baseline itself replayed graphs: the setting is really graphed.
@@ -66,15 +74,10 @@ def test_tree_steps_stay_lossless_under_cuda_graphs(tmp_path, cudagraphs):
 
 
 def test_model_runner_v2_baselines_replay_full_graphs_losslessly(tmp_path):
-    models = tmp_path / "models"
-    assert _gpu_e2e("build", str(models)) == 0
-    status = _gpu_e2e("run", "--models", str(models), "--out", str(tmp_path), "--max-tokens",
-                      "32", "--cudagraphs", "full-decode", "--runner", "v2",
-                      "--configs", "vLLM dflash")
-    report = (tmp_path / "gpu_e2e.md").read_text()
+    status, report, rows = _run_tiny(tmp_path, "--cudagraphs", "full-decode", "--runner", "v2",
+                                     "--configs", "vLLM dflash")
     assert status == 0, report
     assert "model runner V2" in report
-    rows = {row["config"]: row for row in json.loads((tmp_path / "gpu_e2e.json").read_text())}
     assert set(rows) == {"no speculation", "vLLM dflash (chain, 15)"}
     for label, row in rows.items():
         assert row["launches"].get("other steps, graph mode FULL", 0) > 0, (label, row)
@@ -83,15 +86,10 @@ def test_model_runner_v2_baselines_replay_full_graphs_losslessly(tmp_path):
 
 @pytest.mark.parametrize("cudagraphs", ["off", "full-decode"])
 def test_model_runner_v2_tree_steps_are_lossless(tmp_path, cudagraphs):
-    models = tmp_path / "models"
-    assert _gpu_e2e("build", str(models)) == 0
-    status = _gpu_e2e("run", "--models", str(models), "--out", str(tmp_path), "--max-tokens",
-                      "32", "--cudagraphs", cudagraphs, "--runner", "v2",
-                      "--configs", "weaver B=7", "ddtree B=7")
-    report = (tmp_path / "gpu_e2e.md").read_text()
+    status, report, rows = _run_tiny(tmp_path, "--cudagraphs", cudagraphs, "--runner", "v2",
+                                     "--configs", "weaver B=7", "ddtree B=7")
     assert status == 0, report
     assert "model runner V2" in report
-    rows = {row["config"]: row for row in json.loads((tmp_path / "gpu_e2e.json").read_text())}
     assert set(rows) == {"no speculation", "dflash_tfm weaver B=7", "dflash_tfm ddtree B=7"}
     for label in ("dflash_tfm weaver B=7", "dflash_tfm ddtree B=7"):
         row = rows[label]

@@ -31,45 +31,62 @@ def key_value_views(layer) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _attention_layers_by_group(runner) -> list[tuple[int, list[str]]]:
-    """Target full-attention layers grouped by KV-cache group (cached)."""
-    cached = getattr(runner, "_tfm_attention_groups", None)
-    if cached is not None:
-        return cached
+def conv_width(model_config) -> int:
+    """The target's GDN conv kernel width (whose last width - 1 inputs a commit keeps)."""
+    hf = model_config.hf_config
+    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+    return int(getattr(text, "linear_conv_kernel_dim", 4))
+
+
+def attention_layers_by_group(kv_cache_config, context: dict,
+                              drafter_layers) -> list[tuple[int, list[str]]]:
+    """The target's full-attention layers (``context``: the static forward context), by
+    KV-cache group, leaving out the drafter's."""
     from vllm.model_executor.layers.attention import Attention
 
-    drafter_layers = set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ())
-    context = runner.compilation_config.static_forward_context
     groups = []
-    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
-        names = [
-            name for name in group.layer_names
-            if name not in drafter_layers and isinstance(context.get(name), Attention)
-        ]
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        names = [name for name in group.layer_names
+                 if name not in drafter_layers and isinstance(context.get(name), Attention)]
         if names:
             groups.append((gid, names))
-    runner._tfm_attention_groups = groups
     return groups
+
+
+def _attention_layers_by_group(runner) -> list[tuple[int, list[str]]]:
+    """A V1 runner's ``attention_layers_by_group`` (cached on the runner)."""
+    cached = getattr(runner, "_tfm_attention_groups", None)
+    if cached is None:
+        cached = attention_layers_by_group(
+            runner.kv_cache_config, runner.compilation_config.static_forward_context,
+            set(getattr(runner.drafter, "_draft_attn_layer_names", ()) or ()))
+        runner._tfm_attention_groups = cached
+    return cached
+
+
+def commit_kv(context: dict, groups: list[tuple[int, list[str]]], block_table, step) -> None:
+    """Move each tree request's accepted K/V rows to prefix + depth in every layer of
+    ``groups``; ``block_table(gid)`` gives that group's [R, blocks] table."""
+    from triton_ops.tree_attention import tree_kv_commit
+
+    for gid, names in groups:
+        views = [key_value_views(context[name]) for name in names]
+        tree_kv_commit([keys for keys, _ in views], [values for _, values in views],
+                       block_table(gid).to(torch.int32), step.prefix_lens, step.meta,
+                       step.accepted_leaf)
 
 
 def commit_step(runner, step) -> None:
     """Advance every request's caches along its accepted path, in place: a commit that
     raises part-way leaves the caches of `written_requests` unknown (they cannot be
     rolled back or committed twice)."""
-    from triton_ops.tree_attention import tree_kv_commit
-
-    leaf = step.accepted_leaf
-    num_reqs = len(step.req_ids)
     if step.has_trees:
-        context = runner.compilation_config.static_forward_context
-        for gid, names in _attention_layers_by_group(runner):
-            views = [key_value_views(context[name]) for name in names]
-            block_table = runner.input_batch.block_table[gid].get_device_tensor(num_reqs)
-            tree_kv_commit(
-                [keys for keys, _ in views], [values for _, values in views],
-                block_table.to(torch.int32), step.prefix_lens, step.meta, leaf,
-            )
-    commit_gdn_records(step.gdn_records.values(), leaf)
+        num_reqs = len(step.req_ids)
+        commit_kv(runner.compilation_config.static_forward_context,
+                  _attention_layers_by_group(runner),
+                  lambda gid: runner.input_batch.block_table[gid].get_device_tensor(num_reqs),
+                  step)
+    commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
 
 
 def commit_gdn_records(records, accepted_leaf: torch.Tensor) -> None:

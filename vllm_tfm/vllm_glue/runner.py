@@ -43,6 +43,7 @@ from vllm.distributed import get_tp_group
 from vllm.config import CUDAGraphMode
 from vllm.logger import init_logger
 
+from vllm_tfm.vllm_glue.commit import conv_width
 from vllm_tfm.vllm_glue.config import tfm_options
 from vllm_tfm.vllm_glue.grammar import attach_tree_parents
 from vllm_tfm.vllm_glue.tree_graphs import (
@@ -97,17 +98,11 @@ def wrap_init(original):
         # forward that raised leaves its step in this slot only.
         self._tfm_slot = install_step_slot(vllm_config.compilation_config.static_forward_context)
         self._tfm_undrafted: set[str] = set()  # requests that lost a tree: no more drafts
-        self._tfm_graphs = GraphedTreeSteps(1 + self.num_spec_tokens, _conv_width(self),
+        self._tfm_graphs = GraphedTreeSteps(1 + self.num_spec_tokens, conv_width(self.model_config),
                                             self.device)
         self._tfm_failed: set[str] = set()  # for the scheduler to finish with an error
 
     return __init__
-
-
-def _conv_width(runner) -> int:
-    hf = runner.model_config.hf_config
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    return int(getattr(text, "linear_conv_kernel_dim", 4))
 
 
 def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec_metadata,
@@ -141,7 +136,7 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         req_ids, torch.from_numpy(parents).to(device), num_nodes,
         runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
         runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
-        num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions, _conv_width(runner),
+        num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions, conv_width(runner.model_config),
         void=torch.from_numpy(void).to(device) if void.any() else None,
     )
 

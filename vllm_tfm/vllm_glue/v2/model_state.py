@@ -23,7 +23,12 @@ from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 
-from vllm_tfm.vllm_glue.commit import commit_gdn_records, key_value_views
+from vllm_tfm.vllm_glue.commit import (
+    attention_layers_by_group,
+    commit_gdn_records,
+    commit_kv,
+    conv_width,
+)
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
 from vllm_tfm.vllm_glue.v2.engine import find_engine
 from vllm_tfm.vllm_glue.v2.trees import (
@@ -39,19 +44,13 @@ from vllm_tfm.vllm_glue.v2.verify import (
 )
 
 
-def _conv_width(model_config) -> int:
-    hf = model_config.hf_config
-    text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-    return int(getattr(text, "linear_conv_kernel_dim", 4))
-
-
 class TreeModelState(MambaHybridModelState):
     def __init__(self, vllm_config, model, encoder_cache, device) -> None:
         super().__init__(vllm_config, model, encoder_cache, device)
         self.context = vllm_config.compilation_config.static_forward_context
         self.engine = find_engine(self.context)
         self.num_nodes = 1 + vllm_config.speculative_config.num_speculative_tokens
-        self.conv_width = _conv_width(vllm_config.model_config)
+        self.conv_width = conv_width(vllm_config.model_config)
         self.graphs = GraphedTreeSteps(self.num_nodes, self.conv_width, device)
         self._block_tables: tuple[torch.Tensor, ...] = ()
         self._positions: torch.Tensor | None = None
@@ -126,32 +125,14 @@ class TreeModelState(MambaHybridModelState):
         super().postprocess_state(idx_mapping, 1, num_computed_tokens)
 
     def _commit(self, step) -> None:
-        from triton_ops.tree_attention import tree_kv_commit
-
-        leaf = step.accepted_leaf
+        if self._attention_groups is None:  # the target's attention layers, found once
+            self._attention_groups = attention_layers_by_group(
+                self._kv_cache_config, self.context, self.engine.draft_layer_names)
         num_reqs = len(step.req_ids)
-        for gid, names in self._attention_layers():
-            views = [key_value_views(self.context[name]) for name in names]
-            tree_kv_commit([keys for keys, _ in views], [values for _, values in views],
-                           self._block_tables[gid][:num_reqs].to(torch.int32),
-                           step.prefix_lens, step.meta, leaf)
-        commit_gdn_records(step.gdn_records.values(), leaf)
+        commit_kv(self.context, self._attention_groups,
+                  lambda gid: self._block_tables[gid][:num_reqs], step)
+        commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
         step.gdn_records = {}
-
-    def _attention_layers(self) -> list[tuple[int, list[str]]]:
-        """The target's full-attention layers by KV-cache group (found once)."""
-        if self._attention_groups is None:
-            from vllm.model_executor.layers.attention import Attention
-
-            groups = []
-            for gid, group in enumerate(self._kv_cache_config.kv_cache_groups):
-                names = [name for name in group.layer_names
-                         if name not in self.engine.draft_layer_names
-                         and isinstance(self.context.get(name), Attention)]
-                if names:
-                    groups.append((gid, names))
-            self._attention_groups = groups
-        return self._attention_groups
 
 
 class TreeRejectionSampler:
