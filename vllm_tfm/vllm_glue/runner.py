@@ -98,7 +98,8 @@ def wrap_init(original):
         # forward that raised leaves its step in this slot only.
         self._tfm_slot = install_step_slot(vllm_config.compilation_config.static_forward_context)
         self._tfm_undrafted: set[str] = set()  # requests that lost a tree: no more drafts
-        self._tfm_graphs = GraphedTreeSteps(1 + self.num_spec_tokens, conv_width(self.model_config),
+        self._tfm_graphs = GraphedTreeSteps(1 + self.num_spec_tokens,
+                                            conv_width(self.model_config),
                                             self.device)
         self._tfm_failed: set[str] = set()  # for the scheduler to finish with an error
 
@@ -136,7 +137,8 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         req_ids, torch.from_numpy(parents).to(device), num_nodes,
         runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
         runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
-        num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions, conv_width(runner.model_config),
+        num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions,
+        conv_width(runner.model_config),
         void=torch.from_numpy(void).to(device) if void.any() else None,
     )
 
