@@ -208,19 +208,26 @@ def _collect(worker):
     return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
 
 
-def _set_tree(worker, tree: str, budget: int | None):
+def _set_tree(worker, tree: str, budget: int | None) -> bool:
     """The benchmark's switch (see vllm_glue/proposer.py): this tree kind, and either one
     budget for every batch or (None) the engine's own budget rule; then the proposer
     builds the draft rounds the new setting picks (CUDA graphs, captured here between
     measurements while no step runs; kept for later switches), so every setting drafts
-    as a served engine of that setting would."""
-    drafter = getattr(worker, "worker", worker).model_runner.drafter
+    as a served engine of that setting would. False where the runner cannot switch: model
+    runner V2's tree speculator drafts the tree kind and budget it was started with (V2
+    dispatches one uniform query length per engine)."""
+    runner = getattr(worker, "worker", worker).model_runner
+    if not hasattr(runner, "drafter"):
+        options = runner.speculator.options
+        return tree == options.tree and budget == options.budget
+    drafter = runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
     table = None if budget is None else ((MAX_BATCH, budget),)
     drafter.options = dataclasses.replace(drafter.bench_options, tree=tree,
                                           budget_by_batch=table)
     drafter.prepare_rounds()
+    return True
 
 
 def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
@@ -434,8 +441,11 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                     if time.perf_counter() > deadline:
                         result.setdefault("skipped", f"from context {context} batch {batch}")
                         break
-                    if tree is not None:
-                        llm.collective_rpc(_set_tree, args=(tree, budget))
+                    if tree is not None and not llm.collective_rpc(
+                            _set_tree, args=(tree, budget))[0]:
+                        log(f"  {tree} {budget or 'rule'}: not measured, model runner "
+                            f"{runner} drafts only the engine's own tree")
+                        continue
                     cell = {"context": context, "tree": tree, "budget": budget,
                             "requested_batch": batch, **measure_cell(session, shapes.steps)}
                     result["cells"].append(cell)
