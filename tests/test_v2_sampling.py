@@ -22,7 +22,7 @@ import torch
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 
 _V2_MODULES = (
-    "buffer_utils", "metrics.logits", "sample.gumbel", "sample.min_p", "sample.penalties",
+    "buffer_utils", "input_batch", "metrics.logits", "sample.gumbel", "sample.min_p", "sample.penalties",
     "sample.bad_words", "sample.logit_bias", "sample.logprob", "sample.states",
     "sample.thinking_budget", "sample.sampler",
 )
@@ -331,6 +331,50 @@ def test_path_logprobs_score_each_output_token_at_its_path_node(v2, gen, mode):
             expected = scores[torch.cat([torch.tensor([token]), top])].float()
             torch.testing.assert_close(out.logprobs[row], expected, rtol=1e-5, atol=1e-5)
             assert int(out.selected_token_ranks[row]) == int((logits >= logits[token]).sum())
+
+
+def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
+        v2, gen, monkeypatch):
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.trees import SlotTrees
+    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
+                        v2.input_batch.get_num_sampled_and_rejected)
+    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
+    sampler.sampling_states.num_logprobs[int(slots[1])] = 2
+    rows, width = tree.tokens.shape
+    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
+    store.store(slots, tree)
+    num_nodes = torch.full((rows,), width, dtype=torch.int32)
+    step = SimpleNamespace(meta=SimpleNamespace(num_nodes=num_nodes), prefix_lens=prefix,
+                           accepted_leaf=None)
+    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
+    cu = np.arange(rows + 1, dtype=np.int32) * width
+    batch = SimpleNamespace(
+        num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
+        cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu,
+        seq_lens=(prefix + width).to(torch.int32))
+    out = model_state.TreeRejectionSampler(state, sampler)(raw.flatten(0, 1), batch)
+
+    stored = store.gather(slots)
+    expected = verify_batch(
+        stored, _chain_reference(sampler, stored, raw, slots, prefix),
+        sampler.sampling_states.temperature.gpu[slots],
+        step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix))
+    assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
+    assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
+    assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
+    assert out.num_rejected.tolist() == (width - 1 - expected.accepted_len).tolist()
+    logprobs = out.logprobs_tensors
+    assert logprobs.logprobs.shape == (rows * width, 3)
+    for k in range(int(expected.accepted_len[1]) + 1):  # raw_logprobs: the target's rows
+        node = int(expected.path[1, k])
+        token = int(out.sampled_token_ids[1, k])
+        row = width + k
+        assert int(logprobs.logprob_token_ids[row, 0]) == token
+        reference = torch.log_softmax(raw[1, node].double(), -1)[token].float()
+        torch.testing.assert_close(logprobs.logprobs[row, 0], reference, rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_logits_processors_are_refused_by_name(v2):
