@@ -169,9 +169,14 @@ def test_verify_batch_greedy_is_the_greedy_verifier_and_sampled_rows_accept_path
 
 def test_refused_sampling_fields_are_named():
     from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
 
-    assert refused_sampling_field(SamplingParams(temperature=0.8, seed=3)) is None
-    assert refused_sampling_field(SamplingParams(top_k=5)) == "top_k=5"
-    assert refused_sampling_field(SamplingParams(presence_penalty=0.5)).startswith(
-        "presence_penalty")
-    assert refused_sampling_field(SamplingParams(logprobs=2)) == "logprobs=2"
+    supported = SamplingParams(temperature=0.8, seed=3, top_k=20, top_p=0.95, logprobs=2,
+                               prompt_logprobs=1, presence_penalty=0.5,
+                               repetition_penalty=1.1, min_tokens=4, bad_words=["x"],
+                               allowed_token_ids=[1, 2])
+    assert refused_sampling_field(supported) is None
+    structured = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+"))
+    assert refused_sampling_field(structured).startswith("structured_outputs=")
+    assert refused_sampling_field(SamplingParams(thinking_token_budget=8)) == (
+        "thinking_token_budget=8")

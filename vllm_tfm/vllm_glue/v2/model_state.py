@@ -8,7 +8,8 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
   copies the trees into the buffers the captured graph reads (``tree_graphs``); during a
   FULL capture of uniform decodes it activates the fixed-buffer capture step instead, so
   the graph holds the tree kernels;
-- ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler;
+- ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
+  (V2's sampling processing per node, tree verification, logprobs along the path);
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
   conv states), restores the linear positions the drafter reads and pins
   ``num_accepted_tokens`` to 1 (the committed state is in slot 0);
@@ -19,9 +20,12 @@ from __future__ import annotations
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.config.model import PROCESSED_LOGPROBS_MODES
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
+from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
+from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
 from vllm_tfm.vllm_glue.commit import (
     attention_layers_by_group,
@@ -31,6 +35,7 @@ from vllm_tfm.vllm_glue.commit import (
 )
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
 from vllm_tfm.vllm_glue.v2.engine import find_engine
+from vllm_tfm.vllm_glue.v2.node_processing import check_processors, node_rows, process_node_rows
 from vllm_tfm.vllm_glue.v2.trees import (
     apply_tree_positions,
     batch_tree_step,
@@ -38,6 +43,7 @@ from vllm_tfm.vllm_glue.v2.trees import (
 )
 from vllm_tfm.vllm_glue.v2.verify import (
     node_logits,
+    path_logprobs,
     sampled_tokens,
     step_seeds,
     verify_batch,
@@ -137,33 +143,50 @@ class TreeModelState(MambaHybridModelState):
 
 class TreeRejectionSampler:
     """V2's rejection-sampler seam (``sampler(logits, input_batch, draft_logits,
-    invalid_drafts) -> SamplerOutput``), verifying the step's trees."""
+    invalid_drafts) -> SamplerOutput``), verifying the step's trees: every node row through
+    V2's sampling processing over its own path (``node_processing``), then the tree
+    verifiers, then logprobs along the accepted path."""
 
     # V2's warm-up switches adaptive verification off and back on; trees have none.
     enable_adaptive_verification = False
 
     def __init__(self, state: TreeModelState, sampler) -> None:
+        check_processors(sampler)
         self.state = state
         self.sampler = sampler
 
     def __call__(self, logits, input_batch, draft_logits=None, invalid_drafts=None):
-        state = self.state
+        state, sampler = self.state, self.sampler
         step = state.engine.step
         if step is None:
             raise RuntimeError("dflash_tfm: V2 verifies drafts of a step without a tree")
+        num_nans = get_num_nans(logits) if sampler.compute_nans else None
         num_reqs = input_batch.num_reqs
         slots = input_batch.idx_mapping[:num_reqs]
+        slots_np = input_batch.idx_mapping_np[:num_reqs]
         tree = state.engine.trees.gather(slots).truncate(step.meta.num_nodes)
-        rows = node_logits(logits.float(), input_batch.cu_num_logits, step.meta.num_nodes,
-                           tree.max_nodes)
-        sampling = self.sampler.sampling_states
-        result = verify_batch(tree, rows, sampling.temperature.gpu[slots],
+        raw = node_logits(logits.float(), input_batch.cu_num_logits, step.meta.num_nodes,
+                          tree.max_nodes)
+        processed = process_node_rows(
+            sampler, raw.flatten(0, 1), node_rows(tree, slots, step.prefix_lens), slots,
+            slots_np).view_as(raw)
+        sampling = sampler.sampling_states
+        result = verify_batch(tree, processed, sampling.temperature.gpu[slots],
                               step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))
         step.accepted_leaf = result.accepted_leaf
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens,
             input_batch.cu_num_logits, input_batch.idx_mapping,
-            self.sampler.req_states.prefill_len.gpu)
+            sampler.req_states.prefill_len.gpu)
+        sampled = sampled_tokens(result, state.num_nodes)
+        logprobs = None
+        num_logprobs = sampling.max_num_logprobs(slots_np)
+        if num_logprobs != NO_LOGPROBS:
+            mode = sampler.logprobs_mode
+            logprobs = path_logprobs(
+                processed if mode in PROCESSED_LOGPROBS_MODES else raw, result.path, sampled,
+                num_sampled, input_batch.cu_num_logits, input_batch.cu_num_logits_np,
+                num_logprobs, logits_mode=mode in ("raw_logits", "processed_logits"))
         return SamplerOutput(
-            sampled_token_ids=sampled_tokens(result, state.num_nodes), logprobs_tensors=None,
-            num_nans=None, num_sampled=num_sampled, num_rejected=num_rejected)
+            sampled_token_ids=sampled, logprobs_tensors=logprobs, num_nans=num_nans,
+            num_sampled=num_sampled, num_rejected=num_rejected)

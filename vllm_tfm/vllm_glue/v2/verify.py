@@ -1,15 +1,18 @@
 """Tree verification of a V2 batch, in the shape of V2's rejection sampler.
 
 V2 samples every request of a batch by slot (``idx_mapping``); its sampling states keep a
-temperature and a seed per slot. Greedy requests take the greedy verifier; sampled ones
-target-only verification of their deterministic trees at their temperature (lossless for
-any tree). Request-level processing V2 applies along one chain (penalties, bad words,
-min_tokens, allowed tokens, top-k / top-p, logprobs, structured outputs) is not applied
-to tree nodes: the engine refuses those requests on V2 (``wrap_validate_params``).
+temperature and a seed per slot. Every node row first goes through V2's request-level
+processing over that node's own path (``node_processing``: logit bias, allowed tokens,
+min_tokens, penalties, bad words, temperature, min_p, top-k / top-p); then greedy requests
+take the greedy verifier, sampled ones target-only verification of their deterministic trees
+(lossless for any tree). Logprobs follow the accepted path in V2's chain layout. What has no
+tree form here is refused per request on V2 (``wrap_validate_params``): structured outputs
+(V2 masks a chain's rows with one grammar state per offset) and thinking budgets.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from vllm_tfm.drafting.tree import DraftTree
@@ -38,14 +41,14 @@ def step_seeds(request_seeds: torch.Tensor, prefix_lens: torch.Tensor) -> torch.
     return request_seeds.long() + prefix_lens.long() * _SEED_STRIDE
 
 
-def verify_batch(tree: DraftTree, logits: torch.Tensor, temperature: torch.Tensor,
+def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: torch.Tensor,
                  seeds: torch.Tensor) -> VerifyResult:
-    """Accept one path per request of ``tree`` ([R, N]) against ``logits`` [R, N, V]
-    (temperature [R], 0 = greedy)."""
+    """Accept one path per request of ``tree`` ([R, N]) against ``processed`` [R, N, V], the
+    node logits after V2's sampling processing (temperature included; temperature [R],
+    0 = greedy: the argmax of the processed row, as V2's chain verifier takes it)."""
     is_greedy = temperature < _GREEDY_TEMPERATURE_EPS
-    scale = torch.where(is_greedy, 1.0, temperature.float()).view(-1, 1, 1)
     no_sampled_trees = torch.zeros_like(is_greedy, device="cpu")
-    return verify_trees(tree, logits, logits / scale, is_greedy, no_sampled_trees, seeds,
+    return verify_trees(tree, processed, processed, is_greedy, no_sampled_trees, seeds,
                         "target_only")
 
 
@@ -58,13 +61,35 @@ def sampled_tokens(result: VerifyResult, width: int) -> torch.Tensor:
     return out
 
 
-# SamplingParams fields whose non-default values the V2 tree path does not apply per node.
-_CHAIN_ONLY_DEFAULTS = (
-    ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
-    ("min_p", 0.0), ("top_p", 1.0), ("min_tokens", 0), ("logprobs", None),
-    ("prompt_logprobs", None), ("bad_words", None), ("allowed_token_ids", None),
-    ("logit_bias", None), ("structured_outputs", None),
-)
+def path_logprobs(nodes: torch.Tensor, path: torch.Tensor, sampled: torch.Tensor,
+                  num_sampled: torch.Tensor, cu_num_logits: torch.Tensor,
+                  cu_num_logits_np: np.ndarray, num_logprobs: int, logits_mode: bool):
+    """V2's logprobs of a tree step, in the layout its chain rejection sampler returns: row
+    cu_num_logits[r] + k scores request r's k-th output token (``sampled`` [R, W]) under the
+    distribution of its k-th path node (``nodes`` [R, W, V], ``path`` [R, P] node indices,
+    -1 past the path); rows past ``num_sampled[r]`` are placeholders V2 drops."""
+    from vllm.v1.worker.gpu.sample.logprob import compute_topk_scores
+
+    num_reqs, width = nodes.shape[:2]
+    num_logits = int(cu_num_logits_np[-1])
+    row = torch.arange(num_logits, device=nodes.device)
+    request = torch.searchsorted(cu_num_logits[1:].long(), row, right=True)
+    offset = (row - cu_num_logits[request].long()).clamp(max=width - 1)
+    node_of = torch.zeros(num_reqs, width, dtype=torch.long, device=nodes.device)
+    depth = min(width, path.shape[1])
+    node_of[:, :depth] = path[:, :depth].long().clamp(min=0)
+    logits = nodes.flatten(0, 1)[request * width + node_of[request, offset]]
+    tokens = sampled[request, offset].clamp(min=0)
+    tokens = torch.where(offset < num_sampled.long()[request], tokens, 0)
+    expanded = num_logits != num_reqs
+    return compute_topk_scores(
+        logits, num_logprobs, tokens,
+        cu_num_logits_np.tolist() if expanded else None, logits_mode=logits_mode)
+
+
+# SamplingParams fields the V2 tree path does not apply per node, with their defaults.
+# (vLLM itself refuses min_p and logit_bias with any speculative method.)
+_CHAIN_ONLY_DEFAULTS = (("structured_outputs", None), ("thinking_token_budget", None))
 
 
 def refused_sampling_field(params) -> str | None:
@@ -72,11 +97,8 @@ def refused_sampling_field(params) -> str | None:
     value (None: every field is supported)."""
     for name, default in _CHAIN_ONLY_DEFAULTS:
         value = getattr(params, name, default)
-        if value not in (default, None) and value != [] and value != {}:
+        if value is not default:
             return f"{name}={value!r}"
-    top_k = getattr(params, "top_k", None)
-    if top_k not in (None, 0, -1):
-        return f"top_k={top_k!r}"
     return None
 
 

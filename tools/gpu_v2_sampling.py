@@ -1,0 +1,220 @@
+"""dflash_tfm's request-level sampling on model runner V2 (vLLM 0.33, CUDA), one H200 check.
+
+    python tools/gpu_v2_sampling.py --models DIR --out OUT [--max-tokens 32]
+
+(inside the tools/gpu_vllm harness; `tools/gpu_vllm/run_v2_tree.sh 3-sampling` runs it
+after building DIR with `tools/gpu_e2e.py build`). Two engines on V2 with FULL_DECODE_ONLY
+graphs and ``logprobs_mode="processed_logprobs"`` (logprobs of the distribution sampled
+from): no speculation (the reference) and dflash_tfm weaver B=7. The same prompts through:
+
+- greedy with 2 logprobs, and greedy with repetition / presence / frequency penalties: token
+  ids equal to no speculation up to bf16 ties (a difference only where the reference's
+  top-2 margin is below ``engine_runs.TIE_MARGIN``), and the logprobs of every position
+  before the first difference within ``LOGPROB_TOLERANCE`` of the reference's;
+- prompt logprobs (2 per position): within ``LOGPROB_TOLERANCE`` of the reference's;
+- sampled, T=0.8, top_k 20, top_p 0.95, min_tokens 8, seeded, 1 processed logprob: every
+  request completes and every sampled token has a finite processed logprob (it lies inside
+  the top-k / top-p support the tree path computed);
+- min_p: refused by vLLM itself with speculative decoding (checked, not applied).
+
+It also requires tree steps to have replayed FULL graphs (none PIECEWISE) and every tree
+kernel to have run. Prints one table last, writes OUT/v2_sampling.{md,json}; exit 1 on a
+failed check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from vllm_tfm.tiny.engine_runs import PROMPTS, TIE_MARGIN, compare_greedy, timed_generate
+from vllm_tfm.tiny.gpu_checks import (
+    CUDA_GRAPH_SETTINGS,
+    ENGINE_KWARGS,
+    configurations,
+    count_v2_graph_dispatch,
+    select_runner,
+)
+from vllm_tfm.tiny.launch_counts import (
+    LAUNCHES,
+    count_project_kernel_launches,
+    graph_summary,
+    missing_kernels,
+)
+
+# bf16 forwards of a tree and of a chain round differently: logprobs agree to about 1e-2.
+LOGPROB_TOLERANCE = 3e-2
+TREE_LABEL = "dflash_tfm weaver B=7"
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+
+
+def _cases(max_tokens: int) -> dict[str, dict]:
+    greedy = dict(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    return {
+        "greedy": greedy,
+        "greedy + penalties": {**greedy, **PENALTIES},
+        "prompt logprobs": dict(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                prompt_logprobs=2),
+        "sampled top-k / top-p": dict(temperature=0.8, top_k=20, top_p=0.95, min_tokens=8,
+                                      max_tokens=max_tokens, ignore_eos=True, logprobs=1),
+    }
+
+
+def _logprob_lists(outputs) -> list[list[dict[int, float]]]:
+    return [[{t: entry.logprob for t, entry in position.items()}
+             for position in (output.outputs[0].logprobs or [])] for output in outputs]
+
+
+def _prompt_logprob_lists(outputs) -> list[list[dict[int, float]]]:
+    return [[{t: entry.logprob for t, entry in position.items()}
+             for position in (output.prompt_logprobs or [])[1:]] for output in outputs]
+
+
+def _run_engine(models: Path, speculative_config: dict | None, max_tokens: int) -> dict:
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    select_runner("v2")
+    llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
+              **{**ENGINE_KWARGS, **CUDA_GRAPH_SETTINGS["full-decode"],
+                 "logprobs_mode": "processed_logprobs"})
+    result: dict = {}
+    try:
+        prompts = list(PROMPTS)
+        for name, params in _cases(max_tokens).items():
+            if name.startswith("sampled"):
+                requests = [SamplingParams(**params, seed=1000 + i) for i in range(len(prompts))]
+            else:
+                requests = SamplingParams(**params)
+            outputs = llm.generate(prompts, requests, use_tqdm=False)
+            result[name] = {
+                "tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                "logprobs": _logprob_lists(outputs),
+                "prompt_logprobs": _prompt_logprob_lists(outputs),
+            }
+        result["timed greedy"] = timed_generate(
+            llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                         ignore_eos=True))
+        try:
+            llm.generate(prompts[:1], SamplingParams(min_p=0.1, max_tokens=2), use_tqdm=False)
+            result["min_p"] = "applied"
+        except Exception as error:  # vLLM's validation error type differs by version
+            result["min_p"] = f"refused: {error}"
+    finally:
+        del llm
+        gc.collect()
+        cleanup_dist_env_and_memory()
+        torch.cuda.empty_cache()
+    return result
+
+
+def _max_logprob_gap(base: list[list[dict]], spec: list[list[dict]],
+                     limits: list[int] | None = None) -> float:
+    """Largest |logprob difference| over the token ids both runs scored, at each prompt's
+    positions before ``limits[prompt]`` (all positions when None)."""
+    gap = 0.0
+    for prompt, (a, b) in enumerate(zip(base, spec, strict=True)):
+        stop = len(a) if limits is None else limits[prompt]
+        for pa, pb in zip(a[:stop], b[:stop]):
+            for token in pa.keys() & pb.keys():
+                gap = max(gap, abs(pa[token] - pb[token]))
+    return gap
+
+
+def _greedy_check(base: dict, spec: dict) -> tuple[str, bool]:
+    margins = [[max(p.values()) - sorted(p.values())[-2] if len(p) > 1 else math.inf
+                for p in prompt] for prompt in base["logprobs"]]
+    rows = compare_greedy({"tokens": base["tokens"], "margins": margins},
+                          {"tokens": spec["tokens"]}, TIE_MARGIN)
+    diffs = [r for r in rows if r["matched"] < r["length"]]
+    ties = all(r["tie"] for r in diffs)
+    gap = _max_logprob_gap(base["logprobs"], spec["logprobs"], [r["matched"] for r in rows])
+    ok = ties and gap <= LOGPROB_TOLERANCE
+    text = (f"{len(rows) - len(diffs)}/{len(rows)} prompts equal"
+            + (f" (others {'ties' if ties else 'NOT ties'})" if diffs else "")
+            + f"; logprob gap {gap:.4f}")
+    return text, ok
+
+
+def _sampled_check(spec: dict, max_tokens: int) -> tuple[str, bool]:
+    complete = all(len(tokens) == max_tokens for tokens in spec["tokens"])
+    outside = sum(1 for prompt, tokens in zip(spec["logprobs"], spec["tokens"], strict=True)
+                  for position, token in zip(prompt, tokens)
+                  if not math.isfinite(position.get(token, -math.inf)))
+    ok = complete and outside == 0
+    return (f"{'complete' if complete else 'INCOMPLETE'}; {outside} sampled tokens outside "
+            "the processed support"), ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+                       "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
+                       "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}.items():
+        os.environ.setdefault(key, value)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    from vllm_tfm.vllm_glue import register
+
+    register()  # no entry point in the harness
+    count_project_kernel_launches()
+    count_v2_graph_dispatch()
+    tree_config = next(c for label, _, c in configurations(args.models) if label == TREE_LABEL)
+    rows: list[tuple[str, str, bool]] = []
+    runs: dict = {}
+    try:
+        runs["base"] = _run_engine(args.models, None, args.max_tokens)
+        before = dict(LAUNCHES)
+        runs["tree"] = _run_engine(args.models, tree_config, args.max_tokens)
+    except Exception as error:
+        traceback.print_exc()
+        rows.append(("engine", f"FAILED: {type(error).__name__}: {error}"[:300], False))
+    if "tree" in runs:
+        base, tree = runs["base"], runs["tree"]
+        for name in ("greedy", "greedy + penalties"):
+            rows.append((name, *_greedy_check(base[name], tree[name])))
+        gap = _max_logprob_gap(base["prompt logprobs"]["prompt_logprobs"],
+                               tree["prompt logprobs"]["prompt_logprobs"])
+        rows.append(("prompt logprobs", f"gap {gap:.4f}", gap <= LOGPROB_TOLERANCE))
+        rows.append(("sampled top-k / top-p", *_sampled_check(
+            tree["sampled top-k / top-p"], args.max_tokens)))
+        rows.append(("min_p", tree["min_p"][:160], tree["min_p"].startswith("refused")
+                     and "min_p" in tree["min_p"]))
+        launches = {k: v - before.get(k, 0) for k, v in LAUNCHES.items()
+                    if v - before.get(k, 0)}
+        graphs = graph_summary(launches)
+        full = launches.get("tree steps, graph mode FULL", 0) > 0
+        rows.append(("graphs", graphs, full and not launches.get(
+            "tree steps, graph mode PIECEWISE")))
+        missing = missing_kernels(launches, "weaver", False)
+        rows.append(("tree kernels", "all ran" if not missing else "MISSING "
+                     + ", ".join(missing), not missing))
+        timed = tree["timed greedy"]
+        rows.append(("timed greedy", f"{timed['tokens_per_s']:.1f} tok/s, tau "
+                     f"{timed['tau'] or 0:.2f} (base "
+                     f"{base['timed greedy']['tokens_per_s']:.1f} tok/s)", True))
+    lines = [f"dflash_tfm sampling on model runner V2 ({TREE_LABEL} vs no speculation, "
+             "FULL_DECODE_ONLY, processed logprobs)", "", "| check | result | ok |",
+             "|---|---|---|"]
+    lines += [f"| {name} | {text} | {'yes' if ok else 'NO'} |" for name, text, ok in rows]
+    text = "\n".join(lines) + "\n"
+    (args.out / "v2_sampling.md").write_text(text)
+    (args.out / "v2_sampling.json").write_text(json.dumps(runs, indent=1, default=str))
+    print(text, flush=True)
+    return 0 if rows and all(ok for _, _, ok in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
