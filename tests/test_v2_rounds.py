@@ -11,7 +11,8 @@ request slots, must be ``draft_trees``' trees for the same roots, pools, h_v and
 states (same nodes exactly; path scores to float rounding, as test_draft_round.py allows:
 a bucket's Weaver runs more rows). Requests with temperature > 0 get the same deterministic
 trees (V2 verifies them target-only: no sampled-tree fallback exists there); slots outside
-the batch keep their trees; padded rows and dummy runs write only the spare slot.
+the batch keep their trees; padded rows, dummy runs and vLLM's capture of the draft forward
+write only the spare slot.
 """
 
 from __future__ import annotations
@@ -150,3 +151,22 @@ def test_dummy_runs_write_only_the_spare_slot(gen, vllm_propose, monkeypatch):
     _same_tree(store.gather(every_slot), before)
     assert spec.tree_slots.eq(MAX_REQS).all()
     assert not torch.equal(store.gather(torch.tensor([MAX_REQS])).tokens, spare_before.tokens)
+
+
+def test_vllms_capture_of_the_draft_forward_writes_only_the_spare_slot(gen, vllm_propose,
+                                                                     monkeypatch):
+    spec = _speculator("ddtree", gen)
+    states = torch.randn(MAX_REQS * BLOCK, WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+    vllm_propose[0] = 5
+    batch = _batch(gen, 5, 11)
+    spec.propose(batch, None, None, torch.randn(11, WIDTH, generator=gen), None, None, None,
+                 torch.randint(0, V, (MAX_REQS, 1), generator=gen), None, None, None)
+    every_slot = torch.arange(MAX_REQS)
+    before = spec.engine.trees.gather(every_slot)
+    states.normal_(generator=gen)
+    # What DFlashCudaGraphManager.capture does per captured size: warm-up, then capture.
+    monkeypatch.setattr(DFlashSpeculator, "capture", lambda self: [
+        self._generate_draft(rows, rows * BLOCK, None, None, None) for rows in (6, 6, 2, 2)])
+    spec.capture()
+    _same_tree(spec.engine.trees.gather(every_slot), before)

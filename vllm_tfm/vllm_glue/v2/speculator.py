@@ -100,6 +100,12 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.weaver.prepare_tables(*_embedding_and_head(target_model))
 
+    def capture(self) -> None:
+        # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
+        # their trees go to the spare slot, whatever the last step left in tree_slots.
+        self.tree_slots.fill_(self.max_num_reqs)
+        super().capture()
+
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
                         num_tokens_across_dp,
                         cudagraph_runtime_mode=CUDAGraphMode.NONE) -> None:
