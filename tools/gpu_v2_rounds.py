@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--models", type=Path, default=Path("/tmp/v2_rounds_models"))
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens a prompt, timed")
-    parser.add_argument("--deadline-s", type=float, default=150.0,
+    parser.add_argument("--deadline-s", type=float, default=120.0,
                         help="start no check configuration after this many seconds")
     args = parser.parse_args(argv)
     for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
