@@ -138,13 +138,13 @@ def count_v2_graph_dispatch() -> None:
     v2.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
 
 
-def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
-               max_tokens: list[int], with_margins: bool, max_num_seqs: int,
-               cudagraphs: str = "off", runner: str = "v1") -> dict:
-    """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
-    runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
+def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: int,
+                   cudagraphs: str, runner: str, use):
+    """``use(llm)`` on an `LLM` of the models of `build` (ENGINE_KWARGS, the --cudagraphs
+    settings, model runner ``runner``), freed afterwards: (what it returned, the seconds the
+    engine took to start)."""
     import torch
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
     select_runner(runner)
@@ -152,8 +152,27 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
               **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
                  **CUDA_GRAPH_SETTINGS[cudagraphs]})
-    result: dict = {"start_s": time.perf_counter() - started}
+    start_s = time.perf_counter() - started
     try:
+        return use(llm), start_s
+    finally:
+        del llm
+        gc.collect()
+        # An engine that raised leaves its process groups behind (on the H200 the next
+        # engine found no pipeline group): every configuration starts from a clean slate.
+        cleanup_dist_env_and_memory()
+        torch.cuda.empty_cache()
+
+
+def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
+               max_tokens: list[int], with_margins: bool, max_num_seqs: int,
+               cudagraphs: str = "off", runner: str = "v1") -> dict:
+    """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
+    runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
+    from vllm import SamplingParams
+
+    def runs(llm) -> dict:
+        result: dict = {}
         warm = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         result["warmup_s"] = time.perf_counter() - warm
@@ -167,14 +186,11 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
         sampled = [SamplingParams(temperature=1.0, seed=1000 + i, max_tokens=n,
                                   ignore_eos=True) for i, n in enumerate(max_tokens)]
         result["sampled"] = timed_generate(llm, prompts, sampled)
-    finally:
-        del llm
-        gc.collect()
-        # An engine that raised leaves its process groups behind (on the H200 the next
-        # engine found no pipeline group): every configuration starts from a clean slate.
-        cleanup_dist_env_and_memory()
-        torch.cuda.empty_cache()
-    return result
+        return result
+
+    result, start_s = on_tiny_engine(models, speculative_config, max_num_seqs, cudagraphs,
+                                     runner, runs)
+    return {"start_s": start_s, **result}
 
 
 def _fmt(value, pattern: str) -> str:

@@ -6,6 +6,8 @@ The proposer (proposer.py) grows deterministic trees through ``DraftRound``
 captured once and replayed, where ``draft_trees`` launches ~17 Weaver calls' kernels one
 by one (BENCHMARKS.md, "Draft rounds at the target's pace": Weaver budget 64 at batch 1,
 25.5 ms eager, 1.4 ms replayed). Off CUDA the same rounds run their buffers eagerly.
+This is model runner V1's scheme: on V2 the round runs inside vLLM's own FULL draft graph,
+bucketed by vLLM's dispatch (v2/speculator.py says why), and none of this module applies.
 
 Batch buckets are the powers of two below max_num_seqs, and max_num_seqs itself. Not
 vLLM's cudagraph capture sizes divided by 1 + num_speculative_tokens: those count the

@@ -2,11 +2,28 @@
 
 vLLM's DFlash block is ``1 + num_speculative_steps`` queries, and a tree engine's
 num_speculative_tokens is its budget; the speculator is therefore built from a copy of the
-config whose num_speculative_tokens is the draft depth D. Its graphed draft forward
-(``_generate_draft``, which vLLM captures as a FULL graph) keeps the D positions' top-P
-candidate pools and DFlash states in persistent buffers instead of sampling a chain; the
-tree builders grow one tree per request from them (eagerly), the trees are kept by
-request slot and vLLM receives [R, budget] drafts, the nodes after each root.
+config whose num_speculative_tokens is the draft depth D. Its draft forward
+(``_generate_draft``) keeps the D positions' top-P candidate pools instead of sampling a
+chain, and grows the trees from them right there (``_grow_trees``), writing each request's
+tree into its slot of :class:`.trees.SlotTrees`; vLLM receives [R, budget] drafts, the nodes
+after each root.
+
+The round runs inside vLLM's own FULL draft graph, not in a second graph of ours:
+``_generate_draft`` is what vLLM captures, once per padded request count its dispatch picks
+(``DFlashCudaGraphManager``; the draft step is uniform, so it replays whenever the batch fits
+a captured size, prompt chunks in the target batch or not). So a replay is the DFlash forward
+and the whole round with no launch gap between them, the round is bucketed exactly as the
+drafter is, its intermediates share vLLM's graph pool, and vLLM's memory profile
+(``profile_cudagraph_memory`` captures the speculator's graphs in full, the profile run
+drafts at the largest batch) counts them before the KV cache is sized. A batch with no
+captured size, or an engine without graphs, runs the same ``_generate_draft`` eagerly.
+Every input the round reads is in place before the replay: the roots are the bonus tokens
+vLLM's ``prepare_dflash_inputs`` wrote into the block's first query rows, h_v and the
+request slots are copied into persistent buffers by ``propose`` (``_stage_round``), the
+pools and DFlash states are made in the graph. A replay computes trees for the padded rows
+too (every op of a round is per request): their slot index is a spare slot past the
+requests', so they land there. V2 drafts deterministic trees for every request (its
+verifier checks sampled requests target-only, ``v2/verify.py``): nothing falls back.
 
 Before the DFlash context pass the accepted path of each request is moved to the front of
 its rows (``TreeStep.context_order``): vLLM's DFlash reads the first
@@ -49,20 +66,23 @@ class TreeSpeculator(DFlashSpeculator):
             self.weaver = self._load_weaver(vllm_config, device)
             depth = draft_depth(options.budget, options.draft_depth, self.weaver)
         super().__init__(_depth_config(vllm_config, depth), device)
-        budget = options.budget
-        self.budget = budget
+        self._init_round(vllm_config.compilation_config.static_forward_context, device)
+
+    def _init_round(self, static_forward_context: dict, device: torch.device) -> None:
+        """The round's persistent buffers, and the engine record shared with the model state."""
+        self.budget = self.options.budget
         num_slots = self.max_num_reqs
-        pool = options.candidate_pool
-        self.pool_ids = torch.zeros(num_slots, depth, pool, dtype=torch.int64, device=device)
-        self.pool_scores = torch.zeros(num_slots, depth, pool, dtype=torch.float32,
-                                       device=device)
-        self.dflash_states = torch.zeros(num_slots, depth, self.hidden_size, dtype=self.dtype,
-                                         device=device)
-        context = vllm_config.compilation_config.static_forward_context
+        # Per batch row: the slot its tree is written to (the spare slot num_slots for the
+        # padded rows of a replay and for dummy runs), and Weaver's h_v.
+        self.tree_slots = torch.full((num_slots,), num_slots, dtype=torch.int64, device=device)
+        self.h_v = None
+        if self.weaver is not None:
+            self.h_v = torch.zeros(num_slots, self.weaver.config.d_model,
+                                   dtype=self.weaver.dtype, device=device)
         self.engine = TreeEngine(
-            trees=SlotTrees.allocate(num_slots, 1 + budget, budget, device),
-            slot=install_step_slot(context), draft_layer_names=set())
-        install_engine(context, self.engine)
+            trees=SlotTrees.allocate(num_slots + 1, 1 + self.budget, self.budget, device),
+            slot=install_step_slot(static_forward_context), draft_layer_names=set())
+        install_engine(static_forward_context, self.engine)
 
     def _load_weaver(self, vllm_config, device):
         from vllm_tfm.drafting.weaver_checkpoint import load_weaver
@@ -80,20 +100,50 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.weaver.prepare_tables(*_embedding_and_head(target_model))
 
+    def capture(self) -> None:
+        # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
+        # their trees go to the spare slot, whatever the last step left in tree_slots.
+        self.tree_slots.fill_(self.max_num_reqs)
+        super().capture()
+
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
                         num_tokens_across_dp,
                         cudagraph_runtime_mode=CUDAGraphMode.NONE) -> None:
-        """The DFlash block's forward (vLLM graphs it): pools and states of the D
-        positions into the persistent buffers, no chain sampled."""
+        """The DFlash block's forward and the draft round, on ``num_reqs`` batch rows (the
+        padded count under a FULL graph): pools of the D positions, no chain sampled, then
+        the trees (vLLM captures all of it)."""
         hidden = self._run_model(num_tokens_padded, attn_metadata, slot_mappings,
                                  num_tokens_across_dp, cudagraph_runtime_mode)
         depth = self.num_speculative_steps
         states = hidden[self.sample_indices[: num_reqs * depth]]
         logits = self.model.compute_logits(states)
         pools = candidate_pools(logits.view(num_reqs, depth, -1), self.options.candidate_pool)
-        self.pool_ids[:num_reqs] = pools.ids
-        self.pool_scores[:num_reqs] = pools.scores
-        self.dflash_states[:num_reqs] = states.view(num_reqs, depth, -1)
+        self._grow_trees(num_reqs, pools, states.view(num_reqs, depth, -1))
+
+    def _grow_trees(self, num_reqs: int, pools: CandidatePools,
+                    dflash_hidden: torch.Tensor) -> None:
+        """``draft_trees``' deterministic round for batch rows 0..num_reqs-1, into the slots
+        ``_stage_round`` left in ``tree_slots``. Reads device buffers only (no host sync):
+        it runs inside vLLM's capture."""
+        block = self.num_query_per_req
+        # prepare_dflash_inputs put each request's bonus token (its tree's root) first in
+        # its block of query rows.
+        roots = self.input_buffers.input_ids[: num_reqs * block : block].long()
+        trees = draft_trees(
+            self.options.tree, roots, pools, self.budget, weaver=self.weaver,
+            h_v=None if self.h_v is None else self.h_v[:num_reqs],
+            dflash_hidden=dflash_hidden, fanout=self.options.fanout,
+            expand_width=self.options.expand_width_for(self.budget), validate=False)
+        self.engine.trees.store(self.tree_slots[:num_reqs], trees)
+
+    def _stage_round(self, slots: torch.Tensor, h_v: torch.Tensor, dummy_run: bool) -> None:
+        """The round's inputs that come from outside the draft graph, into its buffers."""
+        num_reqs = slots.shape[0]
+        self.tree_slots.fill_(self.max_num_reqs)
+        if not dummy_run:  # a dummy run's trees go to the spare slot
+            self.tree_slots[:num_reqs] = slots
+        if self.h_v is not None:
+            self.h_v[:num_reqs] = h_v
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
                 aux_hidden_states, num_sampled, num_rejected, last_sampled,
@@ -113,21 +163,12 @@ class TreeSpeculator(DFlashSpeculator):
         else:  # prompt chunks only: each root came from the request's last row
             ends = input_batch.query_start_loc[1 : num_reqs + 1].long() - 1
             h_v = last_hidden_states.index_select(0, ends)
+        slots = input_batch.idx_mapping[:num_reqs]
+        self._stage_round(slots, h_v, dummy_run)
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, last_sampled,
                         next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run,
                         num_speculative_tokens=num_speculative_tokens, **kwargs)
-        slots = input_batch.idx_mapping[:num_reqs]
-        if dummy_run or num_speculative_tokens == 0 or num_reqs == 0:
-            return engine.trees.draft_tokens(slots)
-        roots = last_sampled[slots.long(), 0]  # vLLM keeps [max_num_reqs, 1]
-        trees = draft_trees(
-            self.options.tree, roots,
-            CandidatePools(self.pool_ids[:num_reqs], self.pool_scores[:num_reqs]),
-            self.budget, weaver=self.weaver, h_v=h_v,
-            dflash_hidden=self.dflash_states[:num_reqs], fanout=self.options.fanout,
-            expand_width=self.options.expand_width_for(self.budget), validate=False)
-        engine.trees.store(slots, trees)
         return engine.trees.draft_tokens(slots)
 
 
@@ -135,4 +176,3 @@ def _permute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``rows`` with its first len(order) rows taken in ``order`` (the rest kept)."""
     count = order.shape[0]
     return torch.cat([rows[:count].index_select(0, order), rows[count:]])
-

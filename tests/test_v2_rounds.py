@@ -1,0 +1,172 @@
+"""The V2 tree speculator's draft round (vllm_glue/v2/speculator.py), on CPU.
+
+On model runner V2 the round runs inside ``_generate_draft``, the draft forward vLLM
+captures as a FULL graph per padded request count and replays (or runs eagerly when the
+batch has no captured size). vLLM 0.33's speculator cannot run here, so the parent's
+``propose`` is replaced by what it does around ``_generate_draft``: the bonus tokens
+(roots) into the first query row of each request's block, the sample indices of the D mask
+rows, then ``_generate_draft`` on the padded row count (a replay) or the exact one (eager);
+the drafter's forward returns seeded random states. Each step's trees, read back from the
+request slots, must be ``draft_trees``' trees for the same roots, pools, h_v and DFlash
+states (same nodes exactly; path scores to float rounding, as test_draft_round.py allows:
+a bucket's Weaver runs more rows). Requests with temperature > 0 get the same deterministic
+trees (V2 verifies them target-only: no sampled-tree fallback exists there); slots outside
+the batch keep their trees; padded rows, dummy runs and vLLM's capture of the draft forward
+write only the spare slot.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_proposer_rounds import D, P, V, WIDTH, _same_tree, _weaver
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
+
+from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
+from vllm_tfm.options import TfmOptions
+from vllm_tfm.vllm_glue.v2.speculator import TreeSpeculator
+from vllm_tfm.vllm_glue.v2.trees import SlotTrees
+
+MAX_REQS, BUDGET = 6, 20
+BLOCK = 1 + D
+# (batch, rows _generate_draft runs): replays padded to a captured size, eager exact.
+STEPS = [(3, 4), (5, 5), (1, 2), (6, 6), (2, 4)]
+
+
+def _speculator(tree: str, gen: torch.Generator) -> TreeSpeculator:
+    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads."""
+    spec = TreeSpeculator.__new__(TreeSpeculator)
+    spec.options = TfmOptions(budget=BUDGET, tree=tree, candidate_pool=P)
+    spec.weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen))) \
+        if tree == "weaver" else None
+    spec.max_num_reqs, spec.num_speculative_steps, spec.num_query_per_req = MAX_REQS, D, BLOCK
+    spec.input_buffers = SimpleNamespace(
+        input_ids=torch.full((MAX_REQS * BLOCK,), -5, dtype=torch.int32))
+    spec.sample_indices = torch.zeros(MAX_REQS * D, dtype=torch.int64)
+    head = torch.randn(V, WIDTH, generator=gen)
+    spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
+    spec._init_round({}, torch.device("cpu"))
+    return spec
+
+
+@pytest.fixture
+def vllm_propose(monkeypatch):
+    """DFlashSpeculator.propose as far as the round sees it; ``rows[0]`` picks the row count
+    _generate_draft runs (the captured size, or the batch: eager)."""
+    rows = [None]
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, num_sampled, num_rejected, last_sampled,
+                next_prefill_tokens, temperature, seeds, dummy_run=False,
+                num_speculative_tokens=None, **kwargs):
+        n, padded = input_batch.num_reqs, rows[0]
+        ids = self.input_buffers.input_ids
+        ids.zero_()  # padded query rows hold token 0, as prepare_dflash_inputs writes them
+        ids[: n * BLOCK : BLOCK] = last_sampled[input_batch.idx_mapping[:n].long(), 0].int()
+        mask_row = torch.arange(n * D)
+        self.sample_indices.zero_()  # padded sample rows read query row 0
+        self.sample_indices[: n * D] = mask_row // D * BLOCK + 1 + mask_row % D
+        self._generate_draft(padded, padded * BLOCK, None, None, None)
+        return torch.zeros(n, D, dtype=torch.int64)
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", propose)
+    return rows
+
+
+def _batch(gen, n: int, num_tokens: int):
+    slots = torch.randperm(MAX_REQS, generator=gen)[:n]
+    starts = torch.sort(torch.randperm(num_tokens - 1, generator=gen)[: n - 1] + 1).values
+    query_start_loc = torch.cat([torch.tensor([0]), starts, torch.tensor([num_tokens])])
+    return SimpleNamespace(num_reqs=n, num_tokens=num_tokens, idx_mapping=slots.int(),
+                           query_start_loc=query_start_loc.int())
+
+
+@pytest.mark.parametrize("tree", ["weaver", "ddtree", "chain"])
+def test_a_v2_steps_trees_from_the_round_are_draft_trees_trees(tree, gen, vllm_propose,
+                                                               monkeypatch):
+    spec = _speculator(tree, gen)
+    states = torch.randn(MAX_REQS * BLOCK, WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+    store = spec.engine.trees
+    for number, (n, padded) in enumerate(STEPS):
+        vllm_propose[0] = padded
+        states.normal_(generator=gen)
+        num_tokens = n + 5
+        batch = _batch(gen, n, num_tokens)
+        slots = batch.idx_mapping.long()
+        hidden = torch.randn(num_tokens + 3, WIDTH, generator=gen)  # rows past the batch
+        last_sampled = torch.randint(0, V, (MAX_REQS, 1), generator=gen)
+        temperature = torch.rand(MAX_REQS, generator=gen).masked_fill(
+            torch.rand(MAX_REQS, generator=gen) < 0.5, 0.0)  # greedy and sampled requests
+        if number % 2:  # a step after a tree step: h_v from the rows that made the roots
+            bonus_rows = torch.randperm(num_tokens, generator=gen)[:n]
+            spec.engine.step = SimpleNamespace(
+                accepted_leaf=torch.zeros(n), bonus_rows=lambda rows=bonus_rows: rows,
+                context_order=lambda: torch.randperm(num_tokens, generator=gen))
+            h_v = hidden[bonus_rows]
+        else:
+            spec.engine.step = None
+            h_v = hidden[batch.query_start_loc[1:].long() - 1]
+        others = torch.tensor([s for s in range(MAX_REQS) if s not in slots.tolist()])
+        kept = store.gather(others) if others.numel() else None
+        drafts = spec.propose(batch, None, None, hidden, None, None, None, last_sampled,
+                              None, temperature, None)
+
+        mask_states = states[: n * BLOCK].view(n, BLOCK, WIDTH)[:, 1:]
+        pools = candidate_pools(spec.model.compute_logits(mask_states), P)
+        want = draft_trees(tree, last_sampled[slots, 0], pools, BUDGET, weaver=spec.weaver,
+                           h_v=h_v, dflash_hidden=mask_states, fanout=spec.options.fanout,
+                           expand_width=spec.options.expand_width_for(BUDGET),
+                           backend="torch")
+        expected = SlotTrees.allocate(MAX_REQS, 1 + BUDGET, BUDGET, torch.device("cpu"))
+        expected.store(slots, want)
+        print(f"step {number}: batch {n}, round on {padded} rows")
+        _same_tree(store.gather(slots), expected.gather(slots))
+        assert torch.equal(drafts, expected.draft_tokens(slots))
+        assert (store.gather(slots).num_nodes > 1).all()
+        if kept is not None:  # padded rows went to the spare slot, not to these
+            _same_tree(store.gather(others), kept)
+        assert spec.tree_slots[n:].eq(MAX_REQS).all()
+
+
+def test_dummy_runs_write_only_the_spare_slot(gen, vllm_propose, monkeypatch):
+    spec = _speculator("weaver", gen)
+    states = torch.randn(MAX_REQS * BLOCK, WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+    store = spec.engine.trees
+    vllm_propose[0] = 4
+    batch = _batch(gen, 3, 9)
+    last_sampled = torch.randint(0, V, (MAX_REQS, 1), generator=gen)
+    spec.propose(batch, None, None, torch.randn(9, WIDTH, generator=gen), None, None, None,
+                 last_sampled, None, None, None)
+    every_slot = torch.arange(MAX_REQS)
+    before = store.gather(every_slot)
+    spare_before = store.gather(torch.tensor([MAX_REQS]))
+    states.normal_(generator=gen)
+    spec.propose(_batch(gen, 4, 9), None, None, torch.randn(9, WIDTH, generator=gen), None,
+                 None, None, torch.randint(0, V, (MAX_REQS, 1), generator=gen), None, None,
+                 None, dummy_run=True)
+    _same_tree(store.gather(every_slot), before)
+    assert spec.tree_slots.eq(MAX_REQS).all()
+    assert not torch.equal(store.gather(torch.tensor([MAX_REQS])).tokens, spare_before.tokens)
+
+
+def test_vllms_capture_of_the_draft_forward_writes_only_the_spare_slot(gen, vllm_propose,
+                                                                     monkeypatch):
+    spec = _speculator("ddtree", gen)
+    states = torch.randn(MAX_REQS * BLOCK, WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+    vllm_propose[0] = 5
+    batch = _batch(gen, 5, 11)
+    spec.propose(batch, None, None, torch.randn(11, WIDTH, generator=gen), None, None, None,
+                 torch.randint(0, V, (MAX_REQS, 1), generator=gen), None, None, None)
+    every_slot = torch.arange(MAX_REQS)
+    before = spec.engine.trees.gather(every_slot)
+    states.normal_(generator=gen)
+    # What DFlashCudaGraphManager.capture does per captured size: warm-up, then capture.
+    monkeypatch.setattr(DFlashSpeculator, "capture", lambda self: [
+        self._generate_draft(rows, rows * BLOCK, None, None, None) for rows in (6, 6, 2, 2)])
+    spec.capture()
+    _same_tree(spec.engine.trees.gather(every_slot), before)
