@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 
 RUNNERS = ("v1", "v2")
-# The runner dflash_tfm takes where V2 can run and the user chose none. "v1" while the V2
-# tree path refuses sampling features V1 serves (top-k / top-p, penalties, logprobs,
-# structured outputs) and has passed one GPU check only (Weaver under FULL graphs, H200,
-# 2026-12-02: BENCHMARKS.md); then flip to "v2".
-DEFAULT_TREE_RUNNER = "v1"
+# The runner dflash_tfm takes where V2 can run (CUDA, vLLM >= 0.33, TP 1) and the user chose
+# none: vLLM 0.33's GPU default. The V2 tree path applies V2's sampling per tree node
+# (v2/node_processing.py) and refuses by name what it cannot (structured outputs, thinking
+# budgets, custom logits processors: VLLM_USE_V2_MODEL_RUNNER=0 serves them on V1).
+DEFAULT_TREE_RUNNER = "v2"
 ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _ENV_VALUES = {"0": "v1", "1": "v2"}
 V2_MIN_VLLM = (0, 33)
