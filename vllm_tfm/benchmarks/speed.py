@@ -223,7 +223,8 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
     drafter = runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
-    table = None if budget is None else ((MAX_BATCH, budget),)
+    # None: the engine's own rule (under FULL graphs the runner pinned it to the full budget).
+    table = drafter.bench_options.budget_by_batch if budget is None else ((MAX_BATCH, budget),)
     drafter.options = dataclasses.replace(drafter.bench_options, tree=tree,
                                           budget_by_batch=table)
     drafter.prepare_rounds()
@@ -668,6 +669,7 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
 
     register()  # the harness has no installed entry point
     started = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     graphs = ("eager" if shapes.name == "tiny"
