@@ -118,13 +118,13 @@ TRITON_CASES = [
 
 
 def kernels_for(N: int) -> list[str]:
-    """The verify kernels that take N nodes (the tile kernel holds at most 64)."""
+    """The verify kernels that take N nodes (the tile kernel at most TILE_MAX_NODES)."""
     return [k for k in chunk_triton.VERIFY_KERNELS if k != "tile" or N <= chunk_triton.TILE_MAX_NODES]
 
 
 def use_kernel(monkeypatch, kernel: str) -> None:
     """gdn_tree_verify's Triton path launches ``kernel`` instead of the default for N."""
-    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP: kernel)
+    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP, heads: kernel)
 
 
 @pytest.mark.parametrize(
