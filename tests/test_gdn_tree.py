@@ -112,7 +112,10 @@ TRITON_CASES = [
     (2, 24, 2, 2, 64, 64, ["forest", "random"]),
     (1, 16, 1, 1, 128, 128, ["bushy"]),
     # Past one 64-row block: block forward substitution across row blocks.
+    (2, 65, 1, 2, 16, 16, ["star", "chain"]),
+    (2, 96, 2, 4, 16, 16, ["forest", "bushy"]),
     (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
+    (1, 127, 1, 3, 24, 16, ["random"]),
     (2, 128, 1, 2, 32, 16, ["chain", "random"]),
 ]
 
@@ -192,7 +195,8 @@ def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
     kernel that takes them; the seed and shape are printed for a failing run."""
     gen = torch.Generator().manual_seed(1000 + seed)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
-    B, N, H, group = pick([1, 2, 3]), pick([1, 7, 16, 17, 31, 50, 64, 65, 90]), pick([1, 2]), pick([1, 3])
+    B, H, group = pick([1, 2, 3]), pick([1, 2]), pick([1, 3])
+    N = pick([1, 7, 16, 17, 31, 50, 64, 65, 90, 96, 127, 128])
     K, V, dtype = pick([16, 24, 32]), pick([16, 40]), pick([torch.float32, torch.bfloat16])
     counts = [N] + [int(torch.randint(1, N + 1, (1,), generator=gen)) for _ in range(B - 1)]
     shapes = [pick(["random", "bushy", "chain", "forest", "star"]) for _ in range(B)]
@@ -239,10 +243,19 @@ def test_bf16_parts_keep_fp32_accuracy(gen):
     assert ((total - x.double()).abs() <= 2.0**-24 * x.double().abs()).all()
 
 
+def test_default_verify_kernel_weighs_nodes_and_batch():
+    """The tile kernel up to 128 nodes while the batch is small, the split past it."""
+    heads = chunk_triton.SPLIT_MIN_HEADS
+    assert chunk_triton.default_verify_kernel(16, 48) == "tile"
+    assert chunk_triton.default_verify_kernel(128, heads - 1) == "tile"
+    assert chunk_triton.default_verify_kernel(64, heads) == "split"
+    assert chunk_triton.default_verify_kernel(256, 1) == "split"
+
+
 def test_unknown_verify_kernel_raises(gen):
-    meta = random_tree_metadata(gen, ["random"], 80)
-    inputs = make_inputs(gen, 1, 80, 1, 1, 16, 16)
-    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 64")):
+    meta = random_tree_metadata(gen, ["random"], 130)
+    inputs = make_inputs(gen, 1, 130, 1, 1, 16, 16)
+    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 128")):
         with pytest.raises(ValueError, match=match):
             chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel)
 
@@ -284,9 +297,12 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
         assert torch.equal(p.view(as_bits), before.view(as_bits))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_huge_gate_spread_stays_finite(backend, poisoned_outputs, gen):
-    B, N = 2, 40
+@pytest.mark.parametrize("N", [40, 96])
+@pytest.mark.parametrize("backend, kernel", [("torch", None), ("triton", "tile"), ("triton", "split")])
+def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen, monkeypatch):
+    if kernel is not None:
+        use_kernel(monkeypatch, kernel)
+    B = 2
     meta = random_tree_metadata(gen, ["bushy", "forest"], N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, 1, 2, 16, 16)
     # Thousands of nats between neighbours: exp of a non-ancestor difference would overflow.
