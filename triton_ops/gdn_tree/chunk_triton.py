@@ -294,7 +294,7 @@ def _verify_tile_kernel(
     stride_bb, stride_bn, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    GROUP: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
@@ -321,105 +321,103 @@ def _verify_tile_kernel(
     delta += out
     # Block r's rows are final once this program has stored them: later blocks read back
     # their G and Delta (other programs of the head write the same G, other V columns).
-    for r in range(0, tl.cdiv(n_b, SB)):
+    for r in tl.static_range(NB):
         rows = r * SB + pos
-        live = rows < n_b
-        # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
-        g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
-        tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
-        gr_hi, gr_lo = fp32_pair(g_r)
+        if r * SB < n_b:
+            live = rows < n_b
+            # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
+            g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+            tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
+            gr_hi, gr_lo = fp32_pair(g_r)
 
-        # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
-        # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
-        # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
-        # Q K^T. L2 normalisation is applied to the raw products afterwards.
-        ks = tl.zeros([SB, BV], dtype=tl.float32)
-        qs = tl.zeros([SB, BV], dtype=tl.float32)
-        k_sq = tl.zeros([SB], dtype=tl.float32)
-        q_sq = tl.zeros([SB], dtype=tl.float32)
-        for c in tl.static_range(BK // BKC):
-            ck = c * BKC + tl.arange(0, BKC)
-            s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
-            s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
-            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
-            k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-            b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
-            q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-        rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
-        b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
-        e_g = tl.exp(gr_hi)
-        b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
-        rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
-        b_o = (e_g * rq)[:, None] * qs
+            # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
+            # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
+            # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
+            # Q K^T. L2 normalisation is applied to the raw products afterwards.
+            ks = tl.zeros([SB, BV], dtype=tl.float32)
+            qs = tl.zeros([SB, BV], dtype=tl.float32)
+            k_sq = tl.zeros([SB], dtype=tl.float32)
+            q_sq = tl.zeros([SB], dtype=tl.float32)
+            for c in tl.static_range(BK // BKC):
+                ck = c * BKC + tl.arange(0, BKC)
+                s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+                s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
+                b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+                ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
+                k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+                b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+                qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
+                q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+            rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+            rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
+            b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
+            e_g = tl.exp(gr_hi)
+            b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
+            rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
+            b_o = (e_g * rq)[:, None] * qs
 
-        # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c.
-        for c in range(0, r):
-            cols = c * SB + pos
-            gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
-            lo, hi = word_halves(words, b * N, rows, c, W, n_b)
-            decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gc_hi, gc_lo)
+            # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c.
+            for c in tl.static_range(r):
+                cols = c * SB + pos
+                gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
+                lo, hi = word_halves(words, b * N, rows, c, W, n_b)
+                decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gc_hi, gc_lo)
+                kk = tl.zeros([SB, SB], dtype=tl.float32)
+                kc_sq = tl.zeros([SB], dtype=tl.float32)
+                for j in tl.static_range(BK // BKC):
+                    ck = j * BKC + tl.arange(0, BKC)
+                    b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
+                    kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
+                    kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
+                rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
+                d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
+                a_rc = kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay
+                rhs -= tl.dot(a_rc, d_c, input_precision=PREC)
+                qk = tl.zeros([SB, SB], dtype=tl.float32)
+                for j in tl.static_range(BK // BKC):
+                    ck = j * BKC + tl.arange(0, BKC)
+                    b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
+                    qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
+                b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+
+            # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
+            lo, hi = word_halves(words, b * N, rows, r, W, n_b)
+            decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
             kk = tl.zeros([SB, SB], dtype=tl.float32)
-            kc_sq = tl.zeros([SB], dtype=tl.float32)
             for j in tl.static_range(BK // BKC):
-                ck = j * BKC + tl.arange(0, BKC)
-                b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
-                kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
-                kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
-            rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-            d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
-            a_rc = kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay
-            rhs -= tl.dot(a_rc, d_c, input_precision=PREC)
+                b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+                kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+            a = tl.where(pos[:, None] > pos[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+            d = block_forward_solve(a, rhs, SB, BT, PREC)
+
             qk = tl.zeros([SB, SB], dtype=tl.float32)
             for j in tl.static_range(BK // BKC):
                 ck = j * BKC + tl.arange(0, BKC)
-                b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
-                qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
-            b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
-
-        # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
-        lo, hi = word_halves(words, b * N, rows, r, W, n_b)
-        decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
-        kk = tl.zeros([SB, SB], dtype=tl.float32)
-        for j in tl.static_range(BK // BKC):
-            b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-            kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        a = tl.where(pos[:, None] > pos[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-        d = block_forward_solve(a, rhs, SB, BT, PREC)
-
-        qk = tl.zeros([SB, SB], dtype=tl.float32)
-        for j in tl.static_range(BK // BKC):
-            ck = j * BKC + tl.arange(0, BKC)
-            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-            qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+                b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+                qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+                if (i_v == 0) & (hv % GROUP == 0):
+                    tl.store(
+                        k_normed + rows[:, None] * H * K + ck[None, :],
+                        b_k.to(tl.float32) * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+                    )
+            b_o += tl.dot(qk * (rq[:, None] * rk[None, :]) * decay, d, input_precision=PREC)
+            at = rows[:, None] * HV * V + cv[None, :]
+            out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+            tl.store(delta + at, d, mask=out_mask)
+            tl.store(o + at, b_o.to(o.dtype.element_ty), mask=out_mask)
+            tl.debug_barrier()
+        else:  # row blocks past the last real node: zeros, as documented for padding
+            at = rows[:, None] * HV * V + cv[None, :]
+            out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+            zeros = tl.zeros([SB, BV], dtype=tl.float32)
+            tl.store(delta + at, zeros, mask=out_mask)
+            tl.store(o + at, zeros.to(o.dtype.element_ty), mask=out_mask)
+            tl.store(gate_sum + rows * HV, tl.zeros([SB], dtype=tl.float64), mask=rows < N)
             if (i_v == 0) & (hv % GROUP == 0):
-                tl.store(
-                    k_normed + rows[:, None] * H * K + ck[None, :],
-                    b_k.to(tl.float32) * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
-                )
-        b_o += tl.dot(qk * (rq[:, None] * rk[None, :]) * decay, d, input_precision=PREC)
-        at = rows[:, None] * HV * V + cv[None, :]
-        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-        tl.store(delta + at, d, mask=out_mask)
-        tl.store(o + at, b_o.to(o.dtype.element_ty), mask=out_mask)
-        tl.debug_barrier()
-
-    # Row blocks past the last real node: zeros, as documented for padding.
-    zeros = tl.zeros([SB, BV], dtype=tl.float32)
-    for r in range(tl.cdiv(n_b, SB), tl.cdiv(N, SB)):
-        rows = r * SB + pos
-        at = rows[:, None] * HV * V + cv[None, :]
-        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-        tl.store(delta + at, zeros, mask=out_mask)
-        tl.store(o + at, zeros.to(o.dtype.element_ty), mask=out_mask)
-        tl.store(gate_sum + rows * HV, tl.zeros([SB], dtype=tl.float64), mask=rows < N)
-        if (i_v == 0) & (hv % GROUP == 0):
-            for j in tl.static_range(BK // BKC):
-                ck = j * BKC + tl.arange(0, BKC)
-                tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([SB, BKC], dtype=tl.float32),
-                         mask=(rows[:, None] < N) & (ck[None, :] < K))
+                for j in tl.static_range(BK // BKC):
+                    ck = j * BKC + tl.arange(0, BKC)
+                    tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([SB, BKC], dtype=tl.float32),
+                             mask=(rows[:, None] < N) & (ck[None, :] < K))
 
 
 @triton.jit
@@ -688,7 +686,7 @@ def verify_triton(
             o, delta, gate_sum, k_normed,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, SB=SB, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            GROUP=HV // H, NB=NP // SB, SB=SB, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
         )
