@@ -66,6 +66,8 @@ ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
 MAX_SUPER_BLOCK = 64
 K_CHUNK = 64
+# Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
+CROSS_COLS = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
 # on an H200 (cause not established); narrower V is padded to 32 columns instead.
 MIN_BLOCK_V = 32
@@ -294,8 +296,8 @@ def _verify_tile_kernel(
     stride_bb, stride_bn, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -356,29 +358,27 @@ def _verify_tile_kernel(
             rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
             b_o = (e_g * rq)[:, None] * qs
 
-            # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c.
+            # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
+            # CB columns of A_rc and P_rc at a time (whole [SB, SB] tiles spilled 2.6x more).
             for c in tl.static_range(r):
-                cols = c * SB + pos
-                gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
-                lo, hi = word_halves(words, b * N, rows, c, W, n_b)
-                decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gc_hi, gc_lo)
-                kk = tl.zeros([SB, SB], dtype=tl.float32)
-                kc_sq = tl.zeros([SB], dtype=tl.float32)
-                for j in tl.static_range(BK // BKC):
-                    ck = j * BKC + tl.arange(0, BKC)
-                    b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
-                    kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
-                    kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
-                rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-                d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
-                a_rc = kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay
-                rhs -= tl.dot(a_rc, d_c, input_precision=PREC)
-                qk = tl.zeros([SB, SB], dtype=tl.float32)
-                for j in tl.static_range(BK // BKC):
-                    ck = j * BKC + tl.arange(0, BKC)
-                    b_kc = load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K)
-                    qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_kc), PREC, LOWP_QK)
-                b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+                for cb in tl.static_range(SB // CB):
+                    cols = c * SB + cb * CB + tl.arange(0, CB)
+                    gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
+                    lo, hi = word_halves(words, b * N, rows, c, W, n_b)
+                    decay = masked_decay(word_bits(lo, hi, cb * CB + tl.arange(0, CB)), gr_hi, gr_lo, gc_hi, gc_lo)
+                    kk = tl.zeros([SB, CB], dtype=tl.float32)
+                    qk = tl.zeros([SB, CB], dtype=tl.float32)
+                    kc_sq = tl.zeros([CB], dtype=tl.float32)
+                    for j in tl.static_range(BK // BKC):
+                        ck = j * BKC + tl.arange(0, BKC)
+                        b_kc = tl.trans(load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K))
+                        kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), b_kc, PREC, LOWP_QK)
+                        qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), b_kc, PREC, LOWP_QK)
+                        kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=0)
+                    rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([CB], 1.0, dtype=tl.float32)
+                    d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
+                    rhs -= tl.dot(kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+                    b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
 
             # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
             lo, hi = word_halves(words, b * N, rows, r, W, n_b)
@@ -686,7 +686,7 @@ def verify_triton(
             o, delta, gate_sum, k_normed,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, NB=NP // SB, SB=SB, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            GROUP=HV // H, NB=NP // SB, SB=SB, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
         )
