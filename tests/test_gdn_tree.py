@@ -113,6 +113,8 @@ TRITON_CASES = [
     (1, 16, 1, 1, 128, 128, ["bushy"]),
     # Past one 64-row block: block forward substitution across row blocks.
     (2, 65, 1, 2, 16, 16, ["star", "chain"]),
+    (2, 80, 1, 2, 16, 16, ["random", "bushy"]),
+    (1, 81, 2, 2, 16, 16, ["forest"]),
     (2, 96, 2, 4, 16, 16, ["forest", "bushy"]),
     (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
     (1, 127, 1, 3, 24, 16, ["random"]),
@@ -162,17 +164,18 @@ def test_triton_verify_and_commit_match_naive(case, kernel, poisoned_outputs, ge
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("N", [128, 80])
 @pytest.mark.parametrize("kernel", kernels_for(128))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, poisoned_outputs, gen, monkeypatch):
-    """Requests of 128, 65, 64, 17 and 1 nodes in one batch: some end inside the
-    first row block, some one node into the second, whose padding blocks the
-    kernels skip; every real node still matches, every padding row is zero. With
-    bf16 inputs the committed fp32 state still holds fp32 accuracy (the state
-    products split the state in bf16 parts)."""
+def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_outputs, gen, monkeypatch):
+    """Requests of N, 65, 64, 17 and 1 nodes in one batch: some end inside the
+    first row block, some one node into the second (64 rows at N = 128, 16 at N =
+    80 for the tile kernel), whose padding blocks the kernels skip; every real node
+    still matches, every padding row is zero. With bf16 inputs the committed fp32
+    state still holds fp32 accuracy (the state products split the state in bf16 parts)."""
     use_kernel(monkeypatch, kernel)
-    counts = [128, 65, 64, 17, 1]
-    B, N, H, HV, K, V = len(counts), 128, 1, 3, 16, 16
+    counts = [N, 65, 64, 17, 1]
+    B, H, HV, K, V = len(counts), 1, 3, 16, 16
     meta = random_tree_metadata(gen, ["bushy", "random", "chain", "forest", "star"], N, counts)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V, dtype=dtype)
     # Padding inputs hold NaN: no kernel may read them.
@@ -241,6 +244,10 @@ def test_bf16_parts_keep_fp32_accuracy(gen):
         assert torch.equal(part.to(torch.bfloat16).float(), part)
     total = parts.double().sum(0)
     assert ((total - x.double()).abs() <= 2.0**-24 * x.double().abs()).all()
+
+
+def test_tile_second_block_rows():
+    assert [chunk_triton.tile_second_block(n) for n in (1, 64, 65, 80, 81, 128)] == [0, 0, 16, 16, 64, 64]
 
 
 def test_default_verify_kernel_weighs_nodes_and_batch():

@@ -10,8 +10,9 @@ solves ``(I + A) Delta = diag(beta) U`` and forms the outputs:
 Two verify kernels compute it (``default_verify_kernel`` picks one by N and batch):
 
 Tile (``_verify_tile_kernel``), N <= 128: one launch, one program per (request,
-value head, block of BV value columns) walks the request's own row blocks (one or
-two): ``K S0``, ``Q S0`` with K in chunks of 64, the earlier block's ``A_rc`` and
+value head, block of BV value columns) walks the request's own row blocks (the
+first SB rows; past 64 nodes a second block of 16 or 64, ``tile_second_block``):
+``K S0``, ``Q S0`` with K in chunks of 64, the earlier block's ``A_rc`` and
 ``P_rc`` recomputed from the keys against its ``Delta_c`` (read back from the output
 this program wrote), ``K K^T``, the diagonal solve, ``Q K^T``. Every V block redoes
 the key-side products and the solve, which is cheap while the batch is small.
@@ -97,6 +98,16 @@ def default_verify_kernel(NP: int, heads: int) -> str:
     """The verify kernel for a padded node count NP and B * HV heads: the tile kernel
     for small batches (one launch, no workspace), the split from SPLIT_MIN_HEADS on."""
     return "tile" if NP <= TILE_MAX_NODES and heads < SPLIT_MIN_HEADS else "split"
+
+
+def tile_second_block(N: int) -> int:
+    """Rows of the tile kernel's second row block for N nodes, 0 for N <= 64: 16 up to 80
+    nodes (a budget-64 tree has 65), else 64. Not 32: that block spilled 3x more than
+    either on sm_90 (spill stack at BV = 32, 4 warps: 16 rows 480 B, 32 rows 1472 B,
+    64 rows 784 B; one block, N <= 64: 256 B)."""
+    if N <= MAX_SUPER_BLOCK:
+        return 0
+    return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -286,6 +297,114 @@ def block_forward_solve(a, rhs, NP: tl.constexpr, BT: tl.constexpr, PREC: tl.con
 
 
 @triton.jit
+def tile_row_block(
+    q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+    stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+    stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+    r: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Row block ``r`` of the tile kernel: its R rows from ``r * SB`` (pointers already
+    at the request and head); zeros when the request ends before it."""
+    pos = tl.arange(0, R)
+    rows = r * SB + pos
+    if r * SB < n_b:
+        live = rows < n_b
+        # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
+        g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+        tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
+        gr_hi, gr_lo = fp32_pair(g_r)
+
+        # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
+        # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
+        # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
+        # Q K^T. L2 normalisation is applied to the raw products afterwards.
+        ks = tl.zeros([R, BV], dtype=tl.float32)
+        qs = tl.zeros([R, BV], dtype=tl.float32)
+        k_sq = tl.zeros([R], dtype=tl.float32)
+        q_sq = tl.zeros([R], dtype=tl.float32)
+        for c in tl.static_range(BK // BKC):
+            ck = c * BKC + tl.arange(0, BKC)
+            s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+            s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
+            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
+            k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+            b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
+            q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([R], 1.0, dtype=tl.float32)
+        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([R], scale, dtype=tl.float32)
+        b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
+        e_g = tl.exp(gr_hi)
+        b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
+        rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
+        b_o = (e_g * rq)[:, None] * qs
+
+        # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
+        # CB columns of A_rc and P_rc at a time (whole [SB, SB] tiles spilled 2.6x more).
+        for c in tl.static_range(r):
+            for cb in tl.static_range(SB // CB):
+                cols = c * SB + cb * CB + tl.arange(0, CB)
+                gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
+                lo, hi = word_halves(words, b * N, rows, c, W, n_b)
+                decay = masked_decay(word_bits(lo, hi, cb * CB + tl.arange(0, CB)), gr_hi, gr_lo, gc_hi, gc_lo)
+                kk = tl.zeros([R, CB], dtype=tl.float32)
+                qk = tl.zeros([R, CB], dtype=tl.float32)
+                kc_sq = tl.zeros([CB], dtype=tl.float32)
+                for j in tl.static_range(BK // BKC):
+                    ck = j * BKC + tl.arange(0, BKC)
+                    b_kc = tl.trans(load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K))
+                    kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), b_kc, PREC, LOWP_QK)
+                    qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), b_kc, PREC, LOWP_QK)
+                    kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=0)
+                rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([CB], 1.0, dtype=tl.float32)
+                d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
+                rhs -= tl.dot(kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+                b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+
+        # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
+        lo, hi = word_halves(words, b * N, rows, r, W, n_b)
+        decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
+        kk = tl.zeros([R, R], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+            kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        a = tl.where(pos[:, None] > pos[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+        d = block_forward_solve(a, rhs, R, BT, PREC)
+
+        qk = tl.zeros([R, R], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            ck = j * BKC + tl.arange(0, BKC)
+            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+            if write_k:
+                tl.store(
+                    k_normed + rows[:, None] * H * K + ck[None, :],
+                    b_k.to(tl.float32) * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+                )
+        b_o += tl.dot(qk * (rq[:, None] * rk[None, :]) * decay, d, input_precision=PREC)
+        at = rows[:, None] * HV * V + cv[None, :]
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        tl.store(delta + at, d, mask=out_mask)
+        tl.store(o + at, b_o.to(o.dtype.element_ty), mask=out_mask)
+        tl.debug_barrier()
+    else:  # row blocks past the last real node: zeros, as documented for padding
+        at = rows[:, None] * HV * V + cv[None, :]
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        zeros = tl.zeros([R, BV], dtype=tl.float32)
+        tl.store(delta + at, zeros, mask=out_mask)
+        tl.store(o + at, zeros.to(o.dtype.element_ty), mask=out_mask)
+        tl.store(gate_sum + rows * HV, tl.zeros([R], dtype=tl.float64), mask=rows < N)
+        if write_k:
+            for j in tl.static_range(BK // BKC):
+                ck = j * BKC + tl.arange(0, BKC)
+                tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([R, BKC], dtype=tl.float32),
+                         mask=(rows[:, None] < N) & (ck[None, :] < K))
+
+
+@triton.jit
 def _verify_tile_kernel(
     q, k, v, g, beta, state, slots, words, num_nodes,
     o, delta, gate_sum, k_normed,
@@ -296,7 +415,7 @@ def _verify_tile_kernel(
     stride_bb, stride_bn, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NB: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
+    GROUP: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
     BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
@@ -309,7 +428,6 @@ def _verify_tile_kernel(
     n_b = tl.load(num_nodes + b)
     slot = tl.load(slots + b).to(tl.int64)
     cv = i_v * BV + tl.arange(0, BV)
-    pos = tl.arange(0, SB)
     q += b * stride_qb + h * stride_qh
     k += b * stride_kb + h * stride_kh
     v += b * stride_vb + hv * stride_vh
@@ -321,103 +439,24 @@ def _verify_tile_kernel(
     out = b * N * HV * V + hv * V
     o += out
     delta += out
-    # Block r's rows are final once this program has stored them: later blocks read back
-    # their G and Delta (other programs of the head write the same G, other V columns).
-    for r in tl.static_range(NB):
-        rows = r * SB + pos
-        if r * SB < n_b:
-            live = rows < n_b
-            # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
-            g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
-            tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
-            gr_hi, gr_lo = fp32_pair(g_r)
-
-            # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
-            # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
-            # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
-            # Q K^T. L2 normalisation is applied to the raw products afterwards.
-            ks = tl.zeros([SB, BV], dtype=tl.float32)
-            qs = tl.zeros([SB, BV], dtype=tl.float32)
-            k_sq = tl.zeros([SB], dtype=tl.float32)
-            q_sq = tl.zeros([SB], dtype=tl.float32)
-            for c in tl.static_range(BK // BKC):
-                ck = c * BKC + tl.arange(0, BKC)
-                s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
-                s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
-                b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-                ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
-                k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-                b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-                qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
-                q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-            rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-            rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
-            b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
-            e_g = tl.exp(gr_hi)
-            b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
-            rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
-            b_o = (e_g * rq)[:, None] * qs
-
-            # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
-            # CB columns of A_rc and P_rc at a time (whole [SB, SB] tiles spilled 2.6x more).
-            for c in tl.static_range(r):
-                for cb in tl.static_range(SB // CB):
-                    cols = c * SB + cb * CB + tl.arange(0, CB)
-                    gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
-                    lo, hi = word_halves(words, b * N, rows, c, W, n_b)
-                    decay = masked_decay(word_bits(lo, hi, cb * CB + tl.arange(0, CB)), gr_hi, gr_lo, gc_hi, gc_lo)
-                    kk = tl.zeros([SB, CB], dtype=tl.float32)
-                    qk = tl.zeros([SB, CB], dtype=tl.float32)
-                    kc_sq = tl.zeros([CB], dtype=tl.float32)
-                    for j in tl.static_range(BK // BKC):
-                        ck = j * BKC + tl.arange(0, BKC)
-                        b_kc = tl.trans(load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K))
-                        kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), b_kc, PREC, LOWP_QK)
-                        qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), b_kc, PREC, LOWP_QK)
-                        kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=0)
-                    rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([CB], 1.0, dtype=tl.float32)
-                    d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
-                    rhs -= tl.dot(kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
-                    b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
-
-            # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
-            lo, hi = word_halves(words, b * N, rows, r, W, n_b)
-            decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
-            kk = tl.zeros([SB, SB], dtype=tl.float32)
-            for j in tl.static_range(BK // BKC):
-                b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-                kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-            a = tl.where(pos[:, None] > pos[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-            d = block_forward_solve(a, rhs, SB, BT, PREC)
-
-            qk = tl.zeros([SB, SB], dtype=tl.float32)
-            for j in tl.static_range(BK // BKC):
-                ck = j * BKC + tl.arange(0, BKC)
-                b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-                qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
-                if (i_v == 0) & (hv % GROUP == 0):
-                    tl.store(
-                        k_normed + rows[:, None] * H * K + ck[None, :],
-                        b_k.to(tl.float32) * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
-                    )
-            b_o += tl.dot(qk * (rq[:, None] * rk[None, :]) * decay, d, input_precision=PREC)
-            at = rows[:, None] * HV * V + cv[None, :]
-            out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-            tl.store(delta + at, d, mask=out_mask)
-            tl.store(o + at, b_o.to(o.dtype.element_ty), mask=out_mask)
-            tl.debug_barrier()
-        else:  # row blocks past the last real node: zeros, as documented for padding
-            at = rows[:, None] * HV * V + cv[None, :]
-            out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-            zeros = tl.zeros([SB, BV], dtype=tl.float32)
-            tl.store(delta + at, zeros, mask=out_mask)
-            tl.store(o + at, zeros.to(o.dtype.element_ty), mask=out_mask)
-            tl.store(gate_sum + rows * HV, tl.zeros([SB], dtype=tl.float64), mask=rows < N)
-            if (i_v == 0) & (hv % GROUP == 0):
-                for j in tl.static_range(BK // BKC):
-                    ck = j * BKC + tl.arange(0, BKC)
-                    tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([SB, BKC], dtype=tl.float32),
-                             mask=(rows[:, None] < N) & (ck[None, :] < K))
+    # Block 0 holds rows 0 .. SB - 1, block 1 (SB2 > 0: trees past 64 nodes) the next SB2,
+    # sized to the batch's largest tree, not to 64. Block 0's rows are final once this
+    # program has stored them: block 1 reads back their G and Delta (other programs of
+    # the head write the same G, other V columns).
+    write_k = (i_v == 0) & (hv % GROUP == 0)  # one program per key head stores the keys
+    tile_row_block(
+        q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+        stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+        stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+        0, SB, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+    )
+    if SB2 > 0:
+        tile_row_block(
+            q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+            stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+            stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+            1, SB2, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+        )
 
 
 @triton.jit
@@ -686,7 +725,8 @@ def verify_triton(
             o, delta, gate_sum, k_normed,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, NB=NP // SB, SB=SB, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            GROUP=HV // H, SB=SB, SB2=tile_second_block(N), CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
+            BKC=min(BK, K_CHUNK), BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
         )
