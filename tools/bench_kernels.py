@@ -472,8 +472,8 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
 SWEEP_CONFIGS = {
     "default": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
     + [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")],
-    # No prepare kernel: BV and warps only (sm_90 spill stack at N = 64, 4 warps: BV 32 264 B,
-    # 64 680 B, 128 1760 B; the default takes BV = 128 from 512 heads).
+    # No prepare kernel: BV and warps only. sm_90 spill stack, 4 warps: N = 64 BV 32 / 64 / 128
+    # 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from 128 heads).
     "tile": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)],
 }
 
@@ -487,7 +487,7 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     gen = torch.Generator().manual_seed(4)
     kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
     configs = SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"])
-    for N, B in ((64, 32), (128, 1), (64, 1), (128, 32)):
+    for N, B in ((128, 1), (64, 8), (128, 8), (64, 32)):
         if kernel == "tile" and N > TILE_MAX_NODES:
             continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)

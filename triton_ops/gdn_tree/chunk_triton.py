@@ -343,7 +343,8 @@ def tile_row_block(
         b_o = (e_g * rq)[:, None] * qs
 
         # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
-        # CB columns of A_rc and P_rc at a time (whole [SB, SB] tiles spilled 2.6x more).
+        # CB columns of A_rc and P_rc at a time, in one pass over K (whole [SB, SB] tiles in
+        # two passes spilled 1.4x more on sm_90).
         for c in tl.static_range(r):
             for cb in tl.static_range(SB // CB):
                 cols = c * SB + cb * CB + tl.arange(0, CB)
