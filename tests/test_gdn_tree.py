@@ -115,6 +115,7 @@ TRITON_CASES = [
     (2, 65, 1, 2, 16, 16, ["star", "chain"]),
     (2, 80, 1, 2, 16, 16, ["random", "bushy"]),
     (1, 81, 2, 2, 16, 16, ["forest"]),
+    (1, 80, 1, 2, 128, 128, ["bushy"]),  # the model's head dims: two K chunks per pass
     (2, 96, 2, 4, 16, 16, ["forest", "bushy"]),
     (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
     (1, 127, 1, 3, 24, 16, ["random"]),
