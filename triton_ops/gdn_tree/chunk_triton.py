@@ -77,9 +77,9 @@ MIN_BLOCK_V = 32
 # Largest node count the tile kernel takes: two row blocks of MAX_SUPER_BLOCK.
 TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
 VERIFY_KERNELS = ("tile", "split")
-# The batch (B * HV programs' worth of heads) from which the split wins. Measured on the
-# H200 (BENCHMARKS.md, "Stop 14 device calls", bf16 inputs, HV = 48, K = V = 128, us per
-# layer under CUDA graphs):
+# (request, value head) pairs, B * HV, from which the split runs instead of the tile
+# kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
+# device calls"; bf16 inputs, HV = 48, K = V = 128, us per layer under CUDA graphs):
 #
 #     N   B  heads   tile   split
 #     16  1     48   12.1    15.9
@@ -88,9 +88,10 @@ VERIFY_KERNELS = ("tile", "split")
 #
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
-# 4-warp program, where it spills; the split solves once per head. 384 heads (B = 8)
-# and the tile kernel past 64 nodes are not measured yet (tools/bench_kernels.py
-# --kernels tile,split times both at N 16..128, B 1, 8, 32).
+# 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
+# heads (B = 8) and the tile kernel past 64 nodes (``tools/bench_kernels.py --kernels
+# tile,split`` times both at N 16..128, B 1, 8, 32); the split took N = 128, B = 1 in
+# 73.6 us, N = 64 plus a 16-row block should cost the tile kernel little over its 32.6.
 SPLIT_MIN_HEADS = 512
 
 
@@ -103,8 +104,8 @@ def default_verify_kernel(NP: int, heads: int) -> str:
 def tile_second_block(N: int) -> int:
     """Rows of the tile kernel's second row block for N nodes, 0 for N <= 64: 16 up to 80
     nodes (a budget-64 tree has 65), else 64. Not 32: that block spilled 3x more than
-    either on sm_90 (spill stack at BV = 32, 4 warps: 16 rows 480 B, 32 rows 1472 B,
-    64 rows 784 B; one block, N <= 64: 256 B)."""
+    either (sm_90 spill stack, Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows
+    480 B, 32 rows 1472 B, 64 rows 784 B; one block, N <= 64: 256 B)."""
     if N <= MAX_SUPER_BLOCK:
         return 0
     return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
