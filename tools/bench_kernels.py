@@ -217,6 +217,9 @@ def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadl
         (1, 64, 16, 48, 128, 128, "random", False, torch.float32),
         (2, 48, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
         (3, 128, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
+        # The engine's budget-64 tree: 65 nodes, the tile kernel's 16-row second block.
+        (3, 65, 16, 48, 128, 128, "random", True, "bf16 inputs"),
+        (2, 80, 2, 6, 128, 128, "forest", True, torch.float32),
     ]
     if smoke:
         cases = [c for c in cases if c[4] <= 64][:2]
