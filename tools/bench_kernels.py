@@ -964,7 +964,7 @@ def main() -> int:
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--sweep-kernel", default="default",
                         help=f"GDN sweep: the verify kernel whose launch configurations it times, one of "
-                             f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N)")
+                             f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N and batch)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()
