@@ -112,19 +112,25 @@ TRITON_CASES = [
     (2, 24, 2, 2, 64, 64, ["forest", "random"]),
     (1, 16, 1, 1, 128, 128, ["bushy"]),
     # Past one 64-row block: block forward substitution across row blocks.
+    (2, 65, 1, 2, 16, 16, ["star", "chain"]),
+    (2, 80, 1, 2, 16, 16, ["random", "bushy"]),
+    (1, 81, 2, 2, 16, 16, ["forest"]),
+    (1, 80, 1, 2, 128, 128, ["bushy"]),  # the model's head dims: two K chunks per pass
+    (2, 96, 2, 4, 16, 16, ["forest", "bushy"]),
     (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
+    (1, 127, 1, 3, 24, 16, ["random"]),
     (2, 128, 1, 2, 32, 16, ["chain", "random"]),
 ]
 
 
 def kernels_for(N: int) -> list[str]:
-    """The verify kernels that take N nodes (the tile kernel holds at most 64)."""
+    """The verify kernels that take N nodes (the tile kernel at most TILE_MAX_NODES)."""
     return [k for k in chunk_triton.VERIFY_KERNELS if k != "tile" or N <= chunk_triton.TILE_MAX_NODES]
 
 
 def use_kernel(monkeypatch, kernel: str) -> None:
     """gdn_tree_verify's Triton path launches ``kernel`` instead of the default for N."""
-    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP: kernel)
+    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP, heads: kernel)
 
 
 @pytest.mark.parametrize(
@@ -159,17 +165,18 @@ def test_triton_verify_and_commit_match_naive(case, kernel, poisoned_outputs, ge
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
+@pytest.mark.parametrize("N", [128, 80])
 @pytest.mark.parametrize("kernel", kernels_for(128))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, poisoned_outputs, gen, monkeypatch):
-    """Requests of 128, 65, 64, 17 and 1 nodes in one batch: some end inside the
-    first row block, some one node into the second, whose padding blocks the
-    kernels skip; every real node still matches, every padding row is zero. With
-    bf16 inputs the committed fp32 state still holds fp32 accuracy (the state
-    products split the state in bf16 parts)."""
+def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_outputs, gen, monkeypatch):
+    """Requests of N, 65, 64, 17 and 1 nodes in one batch: some end inside the
+    first row block, some one node into the second (64 rows at N = 128, 16 at N =
+    80 for the tile kernel), whose padding blocks the kernels skip; every real node
+    still matches, every padding row is zero. With bf16 inputs the committed fp32
+    state still holds fp32 accuracy (the state products split the state in bf16 parts)."""
     use_kernel(monkeypatch, kernel)
-    counts = [128, 65, 64, 17, 1]
-    B, N, H, HV, K, V = len(counts), 128, 1, 3, 16, 16
+    counts = [N, 65, 64, 17, 1]
+    B, H, HV, K, V = len(counts), 1, 3, 16, 16
     meta = random_tree_metadata(gen, ["bushy", "random", "chain", "forest", "star"], N, counts)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V, dtype=dtype)
     # Padding inputs hold NaN: no kernel may read them.
@@ -192,7 +199,8 @@ def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
     kernel that takes them; the seed and shape are printed for a failing run."""
     gen = torch.Generator().manual_seed(1000 + seed)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
-    B, N, H, group = pick([1, 2, 3]), pick([1, 7, 16, 17, 31, 50, 64, 65, 90]), pick([1, 2]), pick([1, 3])
+    B, H, group = pick([1, 2, 3]), pick([1, 2]), pick([1, 3])
+    N = pick([1, 7, 16, 17, 31, 50, 64, 65, 90, 96, 127, 128])
     K, V, dtype = pick([16, 24, 32]), pick([16, 40]), pick([torch.float32, torch.bfloat16])
     counts = [N] + [int(torch.randint(1, N + 1, (1,), generator=gen)) for _ in range(B - 1)]
     shapes = [pick(["random", "bushy", "chain", "forest", "star"]) for _ in range(B)]
@@ -239,10 +247,23 @@ def test_bf16_parts_keep_fp32_accuracy(gen):
     assert ((total - x.double()).abs() <= 2.0**-24 * x.double().abs()).all()
 
 
+def test_tile_second_block_rows():
+    assert [chunk_triton.tile_second_block(n) for n in (1, 64, 65, 80, 81, 128)] == [0, 0, 16, 16, 64, 64]
+
+
+def test_default_verify_kernel_weighs_nodes_and_batch():
+    """The tile kernel up to 128 nodes while the batch is small, the split past it."""
+    heads = chunk_triton.SPLIT_MIN_HEADS
+    assert chunk_triton.default_verify_kernel(16, 48) == "tile"
+    assert chunk_triton.default_verify_kernel(128, heads - 1) == "tile"
+    assert chunk_triton.default_verify_kernel(64, heads) == "split"
+    assert chunk_triton.default_verify_kernel(256, 1) == "split"
+
+
 def test_unknown_verify_kernel_raises(gen):
-    meta = random_tree_metadata(gen, ["random"], 80)
-    inputs = make_inputs(gen, 1, 80, 1, 1, 16, 16)
-    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 64")):
+    meta = random_tree_metadata(gen, ["random"], 130)
+    inputs = make_inputs(gen, 1, 130, 1, 1, 16, 16)
+    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 128")):
         with pytest.raises(ValueError, match=match):
             chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel)
 
@@ -284,9 +305,12 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
         assert torch.equal(p.view(as_bits), before.view(as_bits))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_huge_gate_spread_stays_finite(backend, poisoned_outputs, gen):
-    B, N = 2, 40
+@pytest.mark.parametrize("N", [40, 96])
+@pytest.mark.parametrize("backend, kernel", [("torch", None), ("triton", "tile"), ("triton", "split")])
+def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen, monkeypatch):
+    if kernel is not None:
+        use_kernel(monkeypatch, kernel)
+    B = 2
     meta = random_tree_metadata(gen, ["bushy", "forest"], N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, 1, 2, 16, 16)
     # Thousands of nats between neighbours: exp of a non-ancestor difference would overflow.

@@ -217,6 +217,9 @@ def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadl
         (1, 64, 16, 48, 128, 128, "random", False, torch.float32),
         (2, 48, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
         (3, 128, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
+        # The engine's budget-64 tree: 65 nodes, the tile kernel's 16-row second block.
+        (3, 65, 16, 48, 128, 128, "random", True, "bf16 inputs"),
+        (2, 80, 2, 6, 128, 128, "forest", True, torch.float32),
     ]
     if smoke:
         cases = [c for c in cases if c[4] <= 64][:2]
@@ -353,14 +356,15 @@ def check_table_errors(failed: list, name: str, verify_err: float, commit_err: f
 def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[str]:
     smoke = args.smoke
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
-    Ns = (16,) if smoke else (16, 32, 64, 128)
+    # 65: a budget-64 tree (root + 64 drafted nodes), the engine's default step.
+    Ns = (16,) if smoke else (16, 32, 64, 65, 128)
     Bs = (1, 2) if smoke else (1, 8, 32)
     chunk = None if args.skip_baselines or device.type != "cuda" else fla_chunk()
     spec = None if args.skip_baselines or device.type != "cuda" else vllm_spec_kernel()
     rows = []
     gen = torch.Generator().manual_seed(3)
     # The key shapes first, so that a cut-off run still has them; printed in (N, B) order.
-    key = [(64, 1), (128, 1), (64, 32)]
+    key = [(65, 1), (64, 1), (128, 1), (64, 32), (65, 8), (64, 8)]
     shapes = [s for s in key if s[0] in Ns and s[1] in Bs] + [(N, B) for N in Ns for B in Bs if (N, B) not in key]
     if args.gdn_shapes and not smoke:
         shapes = args.gdn_shapes
@@ -471,6 +475,9 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
 SWEEP_CONFIGS = {
     "default": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
     + [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")],
+    # No prepare kernel: BV and warps only. sm_90 spill stack, 4 warps: N = 64 BV 32 / 64 / 128
+    # 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from 128 heads).
+    "tile": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)],
 }
 
 
@@ -483,7 +490,7 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     gen = torch.Generator().manual_seed(4)
     kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
     configs = SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"])
-    for N, B in ((64, 1), (128, 1), (64, 32)):
+    for N, B in ((128, 1), (64, 8), (128, 8), (64, 32)):
         if kernel == "tile" and N > TILE_MAX_NODES:
             continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
@@ -957,7 +964,7 @@ def main() -> int:
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--sweep-kernel", default="default",
                         help=f"GDN sweep: the verify kernel whose launch configurations it times, one of "
-                             f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N)")
+                             f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N and batch)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()

@@ -1,14 +1,25 @@
 """Triton kernels for tree verify and commit (the CUDA path).
 
-Verify, N <= 64 (``_verify_tile_kernel``): one program per (request, value head,
-block of BV value columns) holds all nodes in one tile: ``Q K^T``, ``K K^T``,
-``K S0``, ``Q S0`` with K in chunks of 64, then ``(I + A) Delta = R`` by block
-forward substitution over 16-row blocks and the outputs.
+With the row blocks r, c of ``SB`` = min(NP, 64) nodes, block forward substitution
+solves ``(I + A) Delta = diag(beta) U`` and forms the outputs:
 
-Verify, N > 64: two launches, the split fla's chunk kernels use, so that no
-kernel holds the triangular solve and the state products at once. (On the H200
-the split is 1.8x slower than the tile kernel at N = 64 and 3.7x faster at
-N = 128: both spill, see BENCHMARKS.md; hence the dispatch by N.)
+    U_r     = V_r - diag(e^G) K_r S0
+    Delta_r = (I + A_rr)^{-1} (diag(beta_r) U_r - sum_{c<r} A_rc Delta_c)
+    O_r     = diag(e^G) Q_r S0 + sum_{c<=r} P_rc Delta_c
+
+Two verify kernels compute it (``default_verify_kernel`` picks one by N and batch):
+
+Tile (``_verify_tile_kernel``), N <= 128: one launch, one program per (request,
+value head, block of BV value columns) walks the request's own row blocks (the
+first SB rows; past 64 nodes a second block of 16 or 64, ``tile_second_block``):
+``K S0``, ``Q S0`` with K in chunks of 64, the earlier block's ``A_rc`` and
+``P_rc`` recomputed from the keys against its ``Delta_c`` (read back from the output
+this program wrote), ``K K^T``, the diagonal solve, ``Q K^T``. Every V block redoes
+the key-side products and the solve, which is cheap while the batch is small.
+
+Split, any N: two launches, the split fla's chunk kernels use, so that no kernel
+holds the triangular solve and the state products at once; the solve runs once per
+head, which wins at large batches:
 
 1. ``_verify_prepare_kernel``, one program per (request, value head, block of
    ``SB`` <= 64 rows): the path sums G, the masked ``A``, its inverse and the
@@ -17,19 +28,13 @@ N = 128: both spill, see BENCHMARKS.md; hence the dispatch by N.)
    value columns): ``K S0`` and ``Q S0``, then ``Delta`` and the outputs with the
    workspace's matrices, row block after row block.
 
-With the row blocks r, c of ``SB`` nodes the workspace ``solve`` holds
-``T_rr = (I + A_rr)^{-1} diag(beta_r)`` on its diagonal blocks and
-``A_rc / beta_r`` below them, ``scores`` holds ``P_rc`` (``c <= r``); then
-block forward substitution gives
-
-    U_r     = V_r - diag(e^G) K_r S0
-    Delta_r = T_rr (U_r - sum_{c<r} (A_rc / beta_r) Delta_c)
-    O_r     = diag(e^G) Q_r S0 + sum_{c<=r} P_rc Delta_c
+The workspace ``solve`` holds ``T_rr = (I + A_rr)^{-1} diag(beta_r)`` on its diagonal
+blocks and ``A_rc / beta_r`` below them, ``scores`` holds ``P_rc`` (``c <= r``).
 
 Inside a block, ``(I + A_rr)^{-1}`` is formed from its 16x16 diagonal blocks,
 inverted row by row in plain fp32 (stable for repeated keys, where powers of A
-explode), merged by forward substitution over the 16-row blocks. Both split
-kernels stop at each request's own node count: padding blocks cost nothing.
+explode), merged by forward substitution over the 16-row blocks. Every verify
+kernel stops at each request's own node count: padding row blocks cost nothing.
 
 Commit runs one program per (request, value head, K block, V block).
 
@@ -62,19 +67,48 @@ ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
 MAX_SUPER_BLOCK = 64
 K_CHUNK = 64
+# Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
+CROSS_COLS = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
 # on an H200 (cause not established); narrower V is padded to 32 columns instead.
 MIN_BLOCK_V = 32
 
 
-# Largest node count the tile kernel holds in one tile.
-TILE_MAX_NODES = 64
+# Largest node count the tile kernel takes: two row blocks of MAX_SUPER_BLOCK.
+TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
 VERIFY_KERNELS = ("tile", "split")
+# (request, value head) pairs, B * HV, from which the split runs instead of the tile
+# kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
+# device calls"; bf16 inputs, HV = 48, K = V = 128, us per layer under CUDA graphs):
+#
+#     N   B  heads   tile   split
+#     16  1     48   12.1    15.9
+#     64  1     48   32.6    48.4
+#     64 32   1536  950.6   594.1
+#
+# The tile kernel re-solves each head's triangular system in every V block and at 512
+# heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
+# 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
+# heads (B = 8) and the tile kernel past 64 nodes (``tools/bench_kernels.py --kernels
+# tile,split`` times both at N 16..128, B 1, 8, 32); the split took N = 128, B = 1 in
+# 73.6 us, N = 64 plus a 16-row block should cost the tile kernel little over its 32.6.
+SPLIT_MIN_HEADS = 512
 
 
-def default_verify_kernel(NP: int) -> str:
-    """The verify kernel for a padded node count NP (see the module docstring)."""
-    return "tile" if NP <= TILE_MAX_NODES else "split"
+def default_verify_kernel(NP: int, heads: int) -> str:
+    """The verify kernel for a padded node count NP and B * HV heads: the tile kernel
+    for small batches (one launch, no workspace), the split from SPLIT_MIN_HEADS on."""
+    return "tile" if NP <= TILE_MAX_NODES and heads < SPLIT_MIN_HEADS else "split"
+
+
+def tile_second_block(N: int) -> int:
+    """Rows of the tile kernel's second row block for N nodes, 0 for N <= 64: 16 up to 80
+    nodes (a budget-64 tree has 65), else 64. Not 32: that block spilled 3x more than
+    either (sm_90 spill stack, Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows
+    480 B, 32 rows 1472 B, 64 rows 784 B; one block, N <= 64: 256 B)."""
+    if N <= MAX_SUPER_BLOCK:
+        return 0
+    return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -190,16 +224,12 @@ def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
 
 
 @triton.jit
-def masked_decay(pairs, gr, gc):
-    """``exp(G_i - G_j)`` where ``pairs`` (ancestor or self), else 0. The float64
-    G are split in fp32 (hi, lo) halves whose differences are exact enough, and
-    the mask goes inside the exponent: non-ancestor differences may be thousands
-    of nats, where ``exp(.) * 0`` is ``inf * 0``."""
-    r_hi = gr.to(tl.float32)
-    r_lo = (gr - r_hi.to(tl.float64)).to(tl.float32)
-    c_hi = gc.to(tl.float32)
-    c_lo = (gc - c_hi.to(tl.float64)).to(tl.float32)
-    diff = (r_hi[:, None] - c_hi[None, :]) + (r_lo[:, None] - c_lo[None, :])
+def masked_decay(pairs, gr_hi, gr_lo, gc_hi, gc_lo):
+    """``exp(G_i - G_j)`` where ``pairs`` (ancestor or self), else 0, with G given as
+    fp32 (hi, lo) halves (:func:`fp32_pair`) whose differences are exact enough. The
+    mask goes inside the exponent: non-ancestor differences may be thousands of
+    nats, where ``exp(.) * 0`` is ``inf * 0``."""
+    diff = (gr_hi[:, None] - gc_hi[None, :]) + (gr_lo[:, None] - gc_lo[None, :])
     return tl.exp(tl.where(pairs, diff, float("-inf")))
 
 
@@ -211,11 +241,18 @@ def word_bits(lo, hi, cols):
 
 
 @triton.jit
-def path_decay(lo, hi, nodes, g_hi, g_lo):
-    """[NP, NP] ``exp(G_i - G_j)`` where ``j`` is ``i`` or its ancestor, else 0; the
-    difference is taken on the (hi, lo) halves and masked inside the exponent."""
-    diff = (g_hi[:, None] - g_hi[None, :]) + (g_lo[:, None] - g_lo[None, :])
-    return tl.exp(tl.where(word_bits(lo, hi, nodes), diff, float("-inf")))
+def word_halves(words, row_base, rows, c, W, n_valid):
+    """Word ``c`` (columns ``64 c .. 64 c + 63``) of each row's ancestor bitset as int32
+    halves (int64 tiles cost twice the registers); 0 past ``n_valid``."""
+    w = tl.load(words + (row_base + rows) * W + c, mask=rows < n_valid, other=0)
+    return w.to(tl.int32), (w >> 32).to(tl.int32)
+
+
+@triton.jit
+def fp32_pair(x):
+    """float64 ``x`` as fp32 (hi, lo) with ``hi + lo`` = ``x`` to ~2^-48 relative."""
+    x_hi = x.to(tl.float32)
+    return x_hi, (x - x_hi.to(tl.float64)).to(tl.float32)
 
 
 @triton.jit
@@ -261,6 +298,115 @@ def block_forward_solve(a, rhs, NP: tl.constexpr, BT: tl.constexpr, PREC: tl.con
 
 
 @triton.jit
+def tile_row_block(
+    q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+    stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+    stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+    r: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+):
+    """Row block ``r`` of the tile kernel: its R rows from ``r * SB`` (pointers already
+    at the request and head); zeros when the request ends before it."""
+    pos = tl.arange(0, R)
+    rows = r * SB + pos
+    if r * SB < n_b:
+        live = rows < n_b
+        # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
+        g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
+        tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
+        gr_hi, gr_lo = fp32_pair(g_r)
+
+        # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
+        # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
+        # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
+        # Q K^T. L2 normalisation is applied to the raw products afterwards.
+        ks = tl.zeros([R, BV], dtype=tl.float32)
+        qs = tl.zeros([R, BV], dtype=tl.float32)
+        k_sq = tl.zeros([R], dtype=tl.float32)
+        q_sq = tl.zeros([R], dtype=tl.float32)
+        for c in tl.static_range(BK // BKC):
+            ck = c * BKC + tl.arange(0, BKC)
+            s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+            s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
+            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
+            k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+            b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
+            q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+        rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([R], 1.0, dtype=tl.float32)
+        rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([R], scale, dtype=tl.float32)
+        b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
+        e_g = tl.exp(gr_hi)
+        b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
+        rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
+        b_o = (e_g * rq)[:, None] * qs
+
+        # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
+        # CB columns of A_rc and P_rc at a time, in one pass over K (whole [SB, SB] tiles in
+        # two passes spilled 1.4x more on sm_90).
+        for c in tl.static_range(r):
+            for cb in tl.static_range(SB // CB):
+                cols = c * SB + cb * CB + tl.arange(0, CB)
+                gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
+                lo, hi = word_halves(words, b * N, rows, c, W, n_b)
+                decay = masked_decay(word_bits(lo, hi, cb * CB + tl.arange(0, CB)), gr_hi, gr_lo, gc_hi, gc_lo)
+                kk = tl.zeros([R, CB], dtype=tl.float32)
+                qk = tl.zeros([R, CB], dtype=tl.float32)
+                kc_sq = tl.zeros([CB], dtype=tl.float32)
+                for j in tl.static_range(BK // BKC):
+                    ck = j * BKC + tl.arange(0, BKC)
+                    b_kc = tl.trans(load_chunk(k, cols, ck, stride_kn, stride_kk, n_b, K))
+                    kk += dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), b_kc, PREC, LOWP_QK)
+                    qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), b_kc, PREC, LOWP_QK)
+                    kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=0)
+                rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([CB], 1.0, dtype=tl.float32)
+                d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
+                rhs -= tl.dot(kk * ((b_beta * rk)[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+                b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
+
+        # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
+        lo, hi = word_halves(words, b * N, rows, r, W, n_b)
+        decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
+        kk = tl.zeros([R, R], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+            kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        a = tl.where(pos[:, None] > pos[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+        d = block_forward_solve(a, rhs, R, BT, PREC)
+
+        qk = tl.zeros([R, R], dtype=tl.float32)
+        for j in tl.static_range(BK // BKC):
+            ck = j * BKC + tl.arange(0, BKC)
+            b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+            qk += dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
+            if write_k:
+                tl.store(
+                    k_normed + rows[:, None] * H * K + ck[None, :],
+                    b_k.to(tl.float32) * rk[:, None], mask=(rows[:, None] < N) & (ck[None, :] < K),
+                )
+        b_o += tl.dot(qk * (rq[:, None] * rk[None, :]) * decay, d, input_precision=PREC)
+        at = rows[:, None] * HV * V + cv[None, :]
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        tl.store(delta + at, d, mask=out_mask)
+        tl.store(o + at, b_o.to(o.dtype.element_ty), mask=out_mask)
+        tl.debug_barrier()
+    else:  # row blocks past the last real node: zeros, as documented for padding
+        at = rows[:, None] * HV * V + cv[None, :]
+        out_mask = (rows[:, None] < N) & (cv[None, :] < V)
+        zeros = tl.zeros([R, BV], dtype=tl.float32)
+        tl.store(delta + at, zeros, mask=out_mask)
+        tl.store(o + at, zeros.to(o.dtype.element_ty), mask=out_mask)
+        tl.store(gate_sum + rows * HV, tl.zeros([R], dtype=tl.float64), mask=rows < N)
+        if write_k:
+            for j in tl.static_range(BK // BKC):
+                ck = j * BKC + tl.arange(0, BKC)
+                tl.store(k_normed + rows[:, None] * H * K + ck[None, :], tl.zeros([R, BKC], dtype=tl.float32),
+                         mask=(rows[:, None] < N) & (ck[None, :] < K))
+
+
+@triton.jit
 def _verify_tile_kernel(
     q, k, v, g, beta, state, slots, words, num_nodes,
     o, delta, gate_sum, k_normed,
@@ -271,8 +417,8 @@ def _verify_tile_kernel(
     stride_bb, stride_bn, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -283,8 +429,6 @@ def _verify_tile_kernel(
     H = HV // GROUP
     n_b = tl.load(num_nodes + b)
     slot = tl.load(slots + b).to(tl.int64)
-    nodes = tl.arange(0, NP)
-    live = nodes < n_b
     cv = i_v * BV + tl.arange(0, BV)
     q += b * stride_qb + h * stride_qh
     k += b * stride_kb + h * stride_kh
@@ -292,72 +436,29 @@ def _verify_tile_kernel(
     g += b * stride_gb + hv * stride_gh
     beta += b * stride_bb + hv * stride_bh
     state += slot * stride_ss + hv * stride_sh
-
-    # N <= 64: one bitset word per node, handled as two int32 halves (int64 tiles
-    # cost twice the registers). G is summed in float64 over 16-column slices and
-    # kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
-    word = tl.load(words + b * N + nodes, mask=live, other=0)
-    lo = word.to(tl.int32)
-    hi = (word >> 32).to(tl.int32)
-    g_sum = tl.zeros([NP], dtype=tl.float64)
-    for c in tl.static_range(NP // BT):
-        cols = c * BT + tl.arange(0, BT)
-        g_c = tl.load(g + cols * stride_gn, mask=cols < n_b, other=0.0).to(tl.float64)
-        g_sum += tl.sum(tl.where(word_bits(lo, hi, cols), g_c[None, :], 0.0), axis=1)
-    tl.store(gate_sum + b * N * HV + hv + nodes * HV, g_sum, mask=nodes < N)
-    g_hi = g_sum.to(tl.float32)
-    g_lo = (g_sum - g_hi.to(tl.float64)).to(tl.float32)
-
-    # Three passes over K in chunks of BKC, each keeping few tiles alive (register
-    # pressure, not bandwidth, limits this kernel; the re-reads of q and k hit
-    # cache): K K^T -> A; then K S0, Q S0 -> right-hand side; solve; then Q K^T.
-    # L2 normalisation is applied to the raw products afterwards.
-    kk = tl.zeros([NP, NP], dtype=tl.float32)
-    k_sq = tl.zeros([NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        b_k = load_chunk(k, nodes, c * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
-    b_beta = tl.load(beta + nodes * stride_bn, mask=live, other=0.0).to(tl.float32)
-    decay = path_decay(lo, hi, nodes, g_hi, g_lo)
-    a = tl.where(nodes[:, None] > nodes[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-
-    ks = tl.zeros([NP, BV], dtype=tl.float32)
-    qs = tl.zeros([NP, BV], dtype=tl.float32)
-    q_sq = tl.zeros([NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        ck = c * BKC + tl.arange(0, BKC)
-        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
-        s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
-        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K)
-        ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
-        b_q = load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K)
-        qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
-        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
-    e_g = tl.exp(g_hi)
-    b_v = load_rows(v, nodes, cv, stride_vn, stride_vv, n_b, V)
-    rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
-
-    d = block_forward_solve(a, rhs, NP, BT, PREC)
-
-    qk = tl.zeros([NP, NP], dtype=tl.float32)
-    for c in tl.static_range(BK // BKC):
-        ck = c * BKC + tl.arange(0, BKC)
-        b_k = load_chunk(k, nodes, ck, stride_kn, stride_kk, n_b, K)
-        qk += dot_raw(load_chunk(q, nodes, ck, stride_qn, stride_qk, n_b, K), tl.trans(b_k), PREC, LOWP_QK)
-        if (i_v == 0) & (hv % GROUP == 0):
-            tl.store(
-                k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
-                b_k.to(tl.float32) * rk[:, None], mask=(nodes[:, None] < N) & (ck[None, :] < K),
-            )
-    p = qk * (rq[:, None] * rk[None, :]) * path_decay(lo, hi, nodes, g_hi, g_lo)
-    b_o = (e_g * rq)[:, None] * qs + tl.dot(p, d, input_precision=PREC)
-    out = b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :]
-    out_mask = (nodes[:, None] < N) & (cv[None, :] < V)
-    tl.store(delta + out, d, mask=out_mask)
-    tl.store(o + out, b_o.to(o.dtype.element_ty), mask=out_mask)
+    gate_sum += b * N * HV + hv
+    k_normed += b * N * H * K + h * K
+    out = b * N * HV * V + hv * V
+    o += out
+    delta += out
+    # Block 0 holds rows 0 .. SB - 1, block 1 (SB2 > 0: trees past 64 nodes) the next SB2,
+    # sized to the batch's largest tree, not to 64. Block 0's rows are final once this
+    # program has stored them: block 1 reads back their G and Delta (other programs of
+    # the head write the same G, other V columns).
+    write_k = (i_v == 0) & (hv % GROUP == 0)  # one program per key head stores the keys
+    tile_row_block(
+        q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+        stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+        stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+        0, SB, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+    )
+    if SB2 > 0:
+        tile_row_block(
+            q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
+            stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
+            stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
+            1, SB2, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+        )
 
 
 @triton.jit
@@ -390,6 +491,7 @@ def _verify_prepare_kernel(
     # Padding rows get G = 0 and zero keys: their loads are masked off.
     g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
     tl.store(gate_sum + b * N * HV + hv + rows * HV, g_r, mask=rows < N)
+    gr_hi, gr_lo = fp32_pair(g_r)
     k_sq = tl.zeros([SB], dtype=tl.float32)
     for j in tl.static_range(BK // BKC):
         k_f32 = load_rows(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
@@ -424,14 +526,14 @@ def _verify_prepare_kernel(
                 kc_sq += tl.sum(b_kc.to(tl.float32) * b_kc.to(tl.float32), axis=1)
             rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
             rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
-            g_c = path_sums(g, stride_gn, words, b * N, cols, n_b, W, BT)
-            decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_b), g_r, g_c)
+            gc_hi, gc_lo = fp32_pair(path_sums(g, stride_gn, words, b * N, cols, n_b, W, BT))
+            decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_b), gr_hi, gr_lo, gc_hi, gc_lo)
             at = rows[:, None] * NP + cols[None, :]
             tl.store(solve + at, kk * (rk[:, None] * rkc[None, :]) * decay)
             tl.store(scores + at, qk * (rq[:, None] * rkc[None, :]) * decay)
 
         # The diagonal block: T_rr = (I + A_rr)^{-1} diag(beta_r), then P_rr.
-        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), g_r, g_r)
+        decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), gr_hi, gr_lo, gr_hi, gr_lo)
         kk = tl.zeros([SB, SB], dtype=tl.float32)
         for j in tl.static_range(BK // BKC):
             b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
@@ -595,12 +697,13 @@ def verify_triton(
     kernel: str | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
-    ``default_verify_kernel(N)``); ``block_v``, ``num_warps`` (of the tile or
+    ``default_verify_kernel(NP, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
     output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
     NP = dot_block(N)
+    SB = min(NP, MAX_SUPER_BLOCK)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
@@ -612,7 +715,7 @@ def verify_triton(
     native = not interpreting()
     lowp = q.element_size() == 2 and native
     split_s0 = q.dtype == torch.bfloat16 and precision != "tf32"
-    kernel = kernel or default_verify_kernel(NP)
+    kernel = kernel or default_verify_kernel(NP, B * HV)
     if kernel not in VERIFY_KERNELS or (kernel == "tile" and NP > TILE_MAX_NODES):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} ('tile' only for N <= {TILE_MAX_NODES}), "
                          f"got {kernel!r} at N = {N}")
@@ -624,12 +727,12 @@ def verify_triton(
             o, delta, gate_sum, k_normed,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, NP=NP, BT=ROW_BLOCK, BK=BK, BKC=min(BK, K_CHUNK), BV=BV,
+            GROUP=HV // H, SB=SB, SB2=tile_second_block(N), CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
+            BKC=min(BK, K_CHUNK), BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
         )
         return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
-    SB = min(NP, MAX_SUPER_BLOCK)
     # Workspace: only the blocks a request's own rows need are written and read.
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
