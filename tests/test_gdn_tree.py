@@ -130,7 +130,7 @@ def kernels_for(N: int) -> list[str]:
 
 def use_kernel(monkeypatch, kernel: str) -> None:
     """gdn_tree_verify's Triton path launches ``kernel`` instead of the default for N."""
-    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda NP, heads: kernel)
+    monkeypatch.setattr(chunk_triton, "default_verify_kernel", lambda N, heads: kernel)
 
 
 @pytest.mark.parametrize(
@@ -252,12 +252,14 @@ def test_tile_second_block_rows():
 
 
 def test_default_verify_kernel_weighs_nodes_and_batch():
-    """The tile kernel up to 128 nodes while the batch is small, the split past it."""
+    """The tile kernel up to 80 nodes while the batch is small, the split past either."""
     heads = chunk_triton.SPLIT_MIN_HEADS
     assert chunk_triton.default_verify_kernel(16, 48) == "tile"
-    assert chunk_triton.default_verify_kernel(128, heads - 1) == "tile"
+    assert chunk_triton.default_verify_kernel(65, 48) == "tile"  # a budget-64 tree
+    assert chunk_triton.default_verify_kernel(80, heads - 1) == "tile"
+    assert chunk_triton.default_verify_kernel(81, 48) == "split"
+    assert chunk_triton.default_verify_kernel(128, 48) == "split"
     assert chunk_triton.default_verify_kernel(64, heads) == "split"
-    assert chunk_triton.default_verify_kernel(256, 1) == "split"
 
 
 def test_unknown_verify_kernel_raises(gen):

@@ -76,29 +76,34 @@ MIN_BLOCK_V = 32
 
 # Largest node count the tile kernel takes: two row blocks of MAX_SUPER_BLOCK.
 TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
+# Largest node count the dispatch sends to the tile kernel: one block plus a 16-row block
+# (tile_second_block); past it the 64-row second block loses to the split (below).
+TILE_DISPATCH_MAX_NODES = MAX_SUPER_BLOCK + 16
 VERIFY_KERNELS = ("tile", "split")
 # (request, value head) pairs, B * HV, from which the split runs instead of the tile
 # kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
-# device calls"; bf16 inputs, HV = 48, K = V = 128, us per layer under CUDA graphs):
+# device calls" and "Stop 15 device calls"; bf16 inputs, HV = 48, K = V = 128, us per
+# layer under CUDA graphs):
 #
 #     N   B  heads   tile   split
 #     16  1     48   12.1    15.9
 #     64  1     48   32.6    48.4
+#     65  1     48   50.0    63.2
+#    128  1     48  103.4    73.7
 #     64 32   1536  950.6   594.1
 #
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
 # 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
-# heads (B = 8) and the tile kernel past 64 nodes (``tools/bench_kernels.py --kernels
-# tile,split`` times both at N 16..128, B 1, 8, 32); the split took N = 128, B = 1 in
-# 73.6 us, N = 64 plus a 16-row block should cost the tile kernel little over its 32.6.
+# heads (B = 8), 65..80 nodes at B > 1 (``tools/bench_kernels.py --kernels tile,split``).
 SPLIT_MIN_HEADS = 512
 
 
-def default_verify_kernel(NP: int, heads: int) -> str:
-    """The verify kernel for a padded node count NP and B * HV heads: the tile kernel
-    for small batches (one launch, no workspace), the split from SPLIT_MIN_HEADS on."""
-    return "tile" if NP <= TILE_MAX_NODES and heads < SPLIT_MIN_HEADS else "split"
+def default_verify_kernel(N: int, heads: int) -> str:
+    """The verify kernel for N nodes and B * HV heads: the tile kernel for small batches
+    of up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), the split
+    otherwise."""
+    return "tile" if N <= TILE_DISPATCH_MAX_NODES and heads < SPLIT_MIN_HEADS else "split"
 
 
 def tile_second_block(N: int) -> int:
@@ -697,7 +702,7 @@ def verify_triton(
     kernel: str | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
-    ``default_verify_kernel(NP, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
+    ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
     output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -715,7 +720,7 @@ def verify_triton(
     native = not interpreting()
     lowp = q.element_size() == 2 and native
     split_s0 = q.dtype == torch.bfloat16 and precision != "tf32"
-    kernel = kernel or default_verify_kernel(NP, B * HV)
+    kernel = kernel or default_verify_kernel(N, B * HV)
     if kernel not in VERIFY_KERNELS or (kernel == "tile" and NP > TILE_MAX_NODES):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} ('tile' only for N <= {TILE_MAX_NODES}), "
                          f"got {kernel!r} at N = {N}")

@@ -20,7 +20,8 @@ Reported per configuration: tau = completion tokens of verification steps / step
 and the target mass kept by the top-512 pool along the accepted path (mean, 5% tail,
 mean by depth). Writes the JSON and a PNG beside it (tau vs budget; acceptance by depth
 at the reference budget). --prompts is a JSON list of strings; by default
---num-prompts windows of the held-out stdlib modules (vllm_tfm/training/data.py).
+--num-prompts windows of the held-out stdlib modules (vllm_tfm/training/data.py), or
+with --corpus of a built corpus's held-out packages (vllm_tfm/training/corpus.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from tqdm import tqdm
 
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 from vllm_tfm.options import TREE_KINDS
-from vllm_tfm.training import data
+from vllm_tfm.training import corpus, data
 from vllm_tfm.training.acceptance import Drafters, RunStats, simulate
 from vllm_tfm.training.dflash import DFlashDrafter
 from vllm_tfm.training.loop import fill_family_defaults, setup_device
@@ -55,6 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dflash", help="DFlash drafter directory")
     parser.add_argument("--weaver", help="Weaver .pth or directory ('none': no weaver rows)")
     parser.add_argument("--prompts", help="JSON list of prompt strings")
+    parser.add_argument("--corpus", help="corpus directory (tools/build_corpus.py): held-out "
+                        "windows of its held-out packages instead of the stdlib's")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per held-out prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -80,7 +83,12 @@ def _prompt_ids(args, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
         if any(i.numel() == 0 for i in ids):
             raise ValueError(f"--prompts {args.prompts}: a prompt encodes to no tokens")
         return ids, texts
-    rows = data.heldout_prompts(tokenizer, args.num_prompts, args.prompt_len, args.seed)
+    if args.corpus:
+        windows = data.SourceWindows(tokenizer, texts=corpus.read_split(args.corpus, "heldout"))
+        rows = windows.sample(args.num_prompts, args.prompt_len,
+                              torch.Generator().manual_seed(args.seed))
+    else:
+        rows = data.heldout_prompts(tokenizer, args.num_prompts, args.prompt_len, args.seed)
     return list(rows), [tokenizer.decode(row.tolist()) for row in rows]
 
 
