@@ -52,11 +52,10 @@ repository root on PYTHONPATH (as above) the package needs no install.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
-from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, RUNNERS, run_all
+from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, RUNNERS, run_all, set_harness_env
 from vllm_tfm.tiny.gpu_models import build_models
 
 
@@ -87,11 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         build_models(args.dir)
         print(f"models in {args.dir}")
         return 0
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                       "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
-                       "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)
+    set_harness_env()
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
                    args.configs, args.cudagraphs, args.runner)

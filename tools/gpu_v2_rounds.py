@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 import time
@@ -219,11 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadline-s", type=float, default=120.0,
                         help="start no check configuration after this many seconds")
     args = parser.parse_args(argv)
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
-                       "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                       "VLLM_NO_USAGE_STATS": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)
-    from vllm_tfm.tiny.gpu_checks import run_all
+    from vllm_tfm.tiny.gpu_checks import run_all, set_harness_env
+
+    set_harness_env()
     from vllm_tfm.tiny.gpu_models import build_models
     from vllm_tfm.tiny.launch_counts import LAUNCHES
     from vllm_tfm.vllm_glue import register

@@ -32,7 +32,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import statistics
 import sys
 import traceback
@@ -45,6 +44,7 @@ from vllm_tfm.tiny.gpu_checks import (
     configurations,
     count_v2_graph_dispatch,
     select_runner,
+    set_harness_env,
 )
 from vllm_tfm.tiny.launch_counts import (
     LAUNCHES,
@@ -174,11 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                       "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
-                       "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}.items():
-        os.environ.setdefault(key, value)
+    set_harness_env()
     args.out.mkdir(parents=True, exist_ok=True)
 
     from vllm_tfm.vllm_glue import register

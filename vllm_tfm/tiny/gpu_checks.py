@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import gc
 import json
+import os
 import time
 import traceback
 from pathlib import Path
@@ -36,6 +37,16 @@ HARNESS_LIMITS = (
     "performance."
 )
 RUNNERS = ("v1", "v2")
+# Environment of the GPU harness's engines (one process, vLLM's own sampler, no hub, no
+# usage stats); set before vLLM reads it, values the caller set win.
+HARNESS_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+
+
+def set_harness_env() -> None:
+    for key, value in HARNESS_ENV.items():
+        os.environ.setdefault(key, value)
 
 ENGINE_KWARGS = dict(
     enforce_eager=True, dtype="bfloat16", seed=0, max_model_len=1024, max_num_seqs=8,
