@@ -46,6 +46,7 @@ from vllm_tfm.drafting.draft_round import (
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import TfmOptions
 from vllm_tfm.vllm_glue.draft_graphs import DraftRounds
+from vllm_tfm.vllm_glue.tree_step import to_device
 from vllm_tfm.vllm_glue.verify import request_seeds, sampled_tree_requests
 
 
@@ -176,7 +177,8 @@ class TreeProposer(DFlashProposer):
         Requests drafted nothing for get row 0 cut to its root; verifiers only
         read a root's children, and such a root has none.
         """
-        rows = torch.tensor([self._tree_row.get(r, 0) for r in req_ids], device=self.device)
+        rows = to_device(np.array([self._tree_row.get(r, 0) for r in req_ids], dtype=np.int64),
+                         self.device)
         return self.trees.select(rows).truncate(num_nodes.to(self.device))
 
     def scheduled_sampled(self, req_ids: list[str]) -> torch.Tensor:

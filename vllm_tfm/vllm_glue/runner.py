@@ -55,6 +55,7 @@ from vllm_tfm.vllm_glue.tree_step import (
     TreeStep,
     build_tree_step,
     install_step_slot,
+    to_device,
     tree_position_shifts,
 )
 
@@ -134,12 +135,12 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
         void[r] = True
     device = runner.device
     return build_tree_step(
-        req_ids, torch.from_numpy(parents).to(device), num_nodes,
+        req_ids, to_device(parents, device), num_nodes,
         runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
         runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
         num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions,
         conv_width(runner.model_config),
-        void=torch.from_numpy(void).to(device) if void.any() else None,
+        void=to_device(void, device) if void.any() else None,
     )
 
 

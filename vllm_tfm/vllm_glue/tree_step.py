@@ -23,6 +23,18 @@ import torch
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``array`` on ``device`` without waiting for the GPU: a blocking host-to-device
+    copy synchronises the stream, so a step built while the target's graph or the
+    drafter still runs would stall the host until they finish (H200: 29 ms a step in
+    one such copy, BENCHMARKS.md "Stop 15 device calls"). From pinned memory the copy
+    is queued; the pinned buffer is fresh, so nothing rewrites it before it lands."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def select_requests(meta: TreeMetadata, index: torch.Tensor) -> TreeMetadata:
     """The metadata of a subset of requests (``index`` into dim 0)."""
     return TreeMetadata(
@@ -71,13 +83,13 @@ def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.nd
     rows = (first_rows[:, None] + node[None, :])[real]
     slots = (np.arange(len(requests))[:, None] * max_nodes + node[None, :])[real]
     device = meta.parents.device
-    index = torch.from_numpy(np.asarray(requests, dtype=np.int64)).to(device)
+    index = to_device(np.asarray(requests, dtype=np.int64), device)
     return RequestNodes(
         requests=index,
         meta=select_requests(meta, index),
         prefix_lens=prefix_lens.index_select(0, index),
-        rows=torch.from_numpy(rows.astype(np.int64)).to(device),
-        slots=torch.from_numpy(slots.astype(np.int64)).to(device),
+        rows=to_device(rows.astype(np.int64), device),
+        slots=to_device(slots.astype(np.int64), device),
     )
 
 
@@ -217,18 +229,18 @@ def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.nda
     the drafter). Both runners build their steps here, from host counts only."""
     device = parents.device
     max_nodes = parents.shape[1]
-    meta = build_tree_metadata(parents, torch.from_numpy(num_nodes.astype(np.int32)).to(device),
+    meta = build_tree_metadata(parents, to_device(num_nodes.astype(np.int32), device),
                                conv_width=conv_width, validate=False)
     first_node_row = query_start[1:] - num_nodes
     node = np.arange(max_nodes)
     token_rows = np.where(node[None, :] < num_nodes[:, None],
                           first_node_row[:, None] + node[None, :], -1)
-    prefix_lens = torch.from_numpy((computed + scheduled - num_nodes).astype(np.int32)).to(device)
+    prefix_lens = to_device((computed + scheduled - num_nodes).astype(np.int32), device)
     trees = (num_nodes > 1).nonzero()[0]
     return TreeStep(
         req_ids=req_ids,
         meta=meta,
-        token_rows=torch.from_numpy(token_rows).to(device),
+        token_rows=to_device(token_rows, device),
         prefix_lens=prefix_lens,
         num_scheduled=torch.from_numpy(scheduled.astype(np.int32)),
         linear_positions=positions[: int(query_start[-1])].clone(),
