@@ -71,9 +71,12 @@ class SlotTrees:
         self.parents[slot] = -1
         self.num_nodes[slot] = 1
 
-    def draft_tokens(self, slots: torch.Tensor) -> torch.Tensor:
-        """[R, N - 1] the tokens vLLM schedules after each slot's root."""
-        return self.tokens[slots.long(), 1:]
+    def draft_tokens(self, slots: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """[R, N - 1] the tokens vLLM schedules after each slot's root: the first
+        ``num_drafts`` nodes after it (the step's k), -1 past them."""
+        tokens = self.tokens[slots.long(), 1:]
+        tokens[:, num_drafts:] = -1
+        return tokens
 
     def gather(self, slots: torch.Tensor) -> DraftTree:
         """The trees of ``slots``, real nodes only (what verification reads)."""
