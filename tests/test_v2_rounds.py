@@ -35,8 +35,9 @@ BLOCK = 1 + D
 STEPS = [(3, 4), (5, 5), (1, 2), (6, 6), (2, 4)]
 
 
-def _speculator(tree: str, gen: torch.Generator) -> TreeSpeculator:
-    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads."""
+def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,)) -> TreeSpeculator:
+    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads;
+    ``budgets``: the k a step may draft (the batch-size schedule's)."""
     spec = TreeSpeculator.__new__(TreeSpeculator)
     spec.options = TfmOptions(budget=BUDGET, tree=tree, candidate_pool=P)
     spec.weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen))) \
@@ -47,7 +48,7 @@ def _speculator(tree: str, gen: torch.Generator) -> TreeSpeculator:
     spec.sample_indices = torch.zeros(MAX_REQS * D, dtype=torch.int64)
     head = torch.randn(V, WIDTH, generator=gen)
     spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
-    spec._init_round({}, torch.device("cpu"), (BUDGET,))
+    spec._init_round({}, torch.device("cpu"), budgets)
     return spec
 
 

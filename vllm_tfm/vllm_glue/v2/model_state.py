@@ -60,11 +60,9 @@ class TreeModelState(MambaHybridModelState):
         # Trees of the largest budget: what SlotTrees and the sampled token rows hold.
         self.num_nodes = 1 + speculative.num_speculative_tokens
         self.conv_width = conv_width(vllm_config.model_config)
-        # By node count 1 + k, for every k of the batch-size schedule (vLLM captures a
-        # uniform decode graph of each query length 1 + k): the capture steps of that k.
-        self.graphs = {
-            1 + k: GraphedTreeSteps(1 + k, self.conv_width, device)
-            for k in round_budgets(speculative, vllm_config.scheduler_config.max_num_seqs)}
+        self.graphs = graphed_steps_by_length(
+            round_budgets(speculative, vllm_config.scheduler_config.max_num_seqs),
+            self.conv_width, device)
         self._block_tables: tuple[torch.Tensor, ...] = ()
         self._positions: torch.Tensor | None = None
         self._kv_cache_config = None
@@ -151,6 +149,14 @@ class TreeModelState(MambaHybridModelState):
                   lambda gid: self._block_tables[gid][:num_reqs], step)
         commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
         step.gdn_records = {}
+
+
+def graphed_steps_by_length(budgets: tuple[int, ...], conv_width: int,
+                            device: torch.device) -> dict[int, GraphedTreeSteps]:
+    """By query length 1 + k, for every k a step may draft: the fixed-buffer tree steps
+    of that k (V2 captures a uniform decode graph of each query length of the batch-size
+    schedule, ``cudagraph_utils._init_candidates``)."""
+    return {1 + k: GraphedTreeSteps(1 + k, conv_width, device) for k in budgets}
 
 
 class TreeRejectionSampler:
