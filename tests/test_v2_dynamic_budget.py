@@ -401,3 +401,33 @@ def test_greedy_verification_of_a_budget_k_step_is_greedy_decoding(gen, k):
                                                            int(prefix[r]), count), r
         assert out[r, count:].eq(-1).all() and count <= 1 + min(k, depth)
     assert int(result.accepted_len.sum()) > 0  # some drafts accepted
+
+
+# -- bench_speed on V2: fixed budgets on pinned engines, the rule on its own -----------------
+
+def test_bench_speed_on_v2_pins_budget_engines_and_gives_the_rule_its_own():
+    from vllm_tfm.benchmarks import speed
+
+    settings = speed.tfm_settings(("weaver",), (16, 64))
+    v1 = speed.engine_budgets(settings, (16, 64))
+    assert [(b, rule) for b, rule, _ in v1] == [(64, False), (16, False)]
+    assert (("weaver", None) in v1[0][2]) and len(v1) == 2
+    v2 = speed.engine_budgets(settings, (16, 64), "v2")
+    assert [(b, rule, group) for b, rule, group in v2] == [
+        (64, False, [("weaver", 64)]), (64, True, [("weaver", None)]),
+        (16, False, [("weaver", 16)])]
+    config = speed.speculative_config(speed.TFM, {"dflash": "d", "weaver": "w"}, 64,
+                                      ((MAX_BATCH, 64),))
+    assert config["budget_by_batch"] == [[MAX_BATCH, 64]]
+
+    def worker(budget_by_batch):
+        options = TfmOptions(budget=64, tree="weaver", budget_by_batch=budget_by_batch)
+        return SimpleNamespace(model_runner=SimpleNamespace(
+            speculator=SimpleNamespace(options=options)))
+
+    pinned, rule = worker(((MAX_BATCH, 64),)), worker(None)
+    assert speed._set_tree(pinned, "weaver", 64) and not speed._set_tree(pinned, "weaver", None)
+    assert speed._set_tree(rule, "weaver", None) and not speed._set_tree(rule, "weaver", 64)
+    assert not speed._set_tree(pinned, "ddtree", 64) and not speed._set_tree(pinned, "weaver", 16)
+    assert speed.engine_label({"method": speed.TFM, "engine_budget": 64,
+                               "engine_rule": True}) == "dflash_tfm (k = 64, rule)"
