@@ -7,7 +7,8 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
   slots' trees, moves RoPE positions to prefix + depth in place and, for a FULL replay,
   copies the trees into the buffers the captured graph reads (``tree_graphs``); during a
   FULL capture of uniform decodes it activates the fixed-buffer capture step instead, so
-  the graph holds the tree kernels;
+  the graph holds the tree kernels (one capture step per query length 1 + k of the
+  batch-size schedule, ``graphed_steps_by_length``);
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
   (V2's sampling processing per node, tree verification, logprobs along the path);
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and

@@ -25,6 +25,15 @@ too (every op of a round is per request): their slot index is a spare slot past 
 requests', so they land there. V2 drafts deterministic trees for every request (its
 verifier checks sampled requests target-only, ``v2/verify.py``): nothing falls back.
 
+A step's budget k is vLLM's (``propose(..., num_speculative_tokens=k)``): the scheduler
+reads it off the batch-size schedule (``num_speculative_tokens_per_batch_size``, the
+plugin's budget rule, vllm_glue/config.py) from the number of scheduled requests, and
+the runner masks drafts past k with -1 (so does ``SlotTrees.draft_tokens``). vLLM keys
+its DFlash draft graphs by padded request count only (the block is D queries whatever
+k), so the speculator holds one vLLM graph manager per k of the schedule
+(``round_budgets``), each capturing the round of that k, and replays the one of the
+step's k.
+
 Before the DFlash context pass the accepted path of each request is moved to the front of
 its rows (``TreeStep.context_order``): vLLM's DFlash reads the first
 ``query_len - num_rejected`` rows of each request as the committed context.
