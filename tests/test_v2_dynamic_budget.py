@@ -100,6 +100,9 @@ def test_on_v2_the_plugins_rule_fills_vllms_schedule():
     spec = {"method": "dflash"}
     batch_size_budgets(_options(budget_by_batch=table), spec, "v2")
     assert spec[BATCH_SCHEDULE_KEY] == [(1, 1, 64), (2, 8, 16), (9, MAX_BATCH, 8)]
+    spec = {"method": "dflash"}  # one budget at every batch size: vLLM's static k
+    batch_size_budgets(_options(budget_by_batch=((4, 64), (MAX_BATCH, 64))), spec, "v2")
+    assert BATCH_SCHEDULE_KEY not in spec
 
 
 def test_on_v2_the_plugins_rule_follows_a_schedule_the_user_gave():

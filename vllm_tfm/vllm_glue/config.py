@@ -129,8 +129,11 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
                 "speculative_config['budget_by_batch']")
         return options
     if user_schedule is None:
-        vllm_spec[BATCH_SCHEDULE_KEY] = batch_size_schedule(options.budget_table,
-                                                            options.budget)
+        schedule = batch_size_schedule(options.budget_table, options.budget)
+        # A rule of one budget is vLLM's static num_speculative_tokens: no schedule, so
+        # its scheduler keeps padding new decodes to the uniform length.
+        if any(k != options.budget for _, _, k in schedule):
+            vllm_spec[BATCH_SCHEDULE_KEY] = schedule
         return options
     if options.budget_by_batch is not None:
         raise ValueError(
