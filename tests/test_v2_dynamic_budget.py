@@ -160,11 +160,13 @@ ROUND_BUDGETS = (4, 8, ROUND_BUDGET)
 
 @pytest.fixture
 def draft_graph_managers(monkeypatch):
-    """vLLM's DFlash graph manager per init_cudagraph_manager call, a token object."""
+    """vLLM's DFlash graph manager per init_cudagraph_manager call: an empty one."""
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
     made = []
 
     def init(self, mode):
-        self.query_cudagraph_manager = SimpleNamespace(mode=mode, number=len(made))
+        self.query_cudagraph_manager = CudaGraphManager.__new__(CudaGraphManager)
         made.append(self.query_cudagraph_manager)
 
     monkeypatch.setattr(DFlashSpeculator, "init_cudagraph_manager", init)
@@ -434,3 +436,19 @@ def test_bench_speed_on_v2_pins_budget_engines_and_gives_the_rule_its_own():
     assert not speed._set_tree(pinned, "ddtree", 64) and not speed._set_tree(pinned, "weaver", 16)
     assert speed.engine_label({"method": speed.TFM, "engine_budget": 64,
                                "engine_rule": True}) == "dflash_tfm (k = 64, rule)"
+
+
+def test_vllms_memory_profiling_drops_every_draft_graph_manager(gen, draft_graph_managers):
+    from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+
+    spec = _speculator("ddtree", gen, ROUND_BUDGETS)
+    spec.init_cudagraph_manager("FULL")
+    assert len(spec.draft_graphs) == len(ROUND_BUDGETS)
+    # What profile_cudagraph_memory does after profiling: every manager attribute to None.
+    for name, value in list(vars(spec).items()):
+        if isinstance(value, CudaGraphManager):
+            setattr(spec, name, None)
+    assert spec.draft_graphs == {}
+    spec.init_cudagraph_manager("FULL")  # the real initialize_kv_cache makes them anew
+    assert [id(m) for m in spec.draft_graphs.values()] == [
+        id(m) for m in draft_graph_managers[len(ROUND_BUDGETS):]]

@@ -56,6 +56,10 @@ from vllm_tfm.vllm_glue.v2.engine import TreeEngine, install_engine
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees
 
 
+# The speculator attribute holding the draft graph manager of round budget k.
+_DRAFT_GRAPHS = "draft_graphs_k{}"
+
+
 def _depth_config(vllm_config, depth: int):
     """A shallow copy of ``vllm_config`` whose num_speculative_tokens is ``depth`` and
     with no batch-size schedule: the DFlash block is ``depth`` queries whatever a step's
@@ -91,8 +95,6 @@ class TreeSpeculator(DFlashSpeculator):
         self.round_budgets = budgets
         # The budget the next draft round grows (a Python value: captured per graph).
         self.round_budget = self.budget
-        # By round budget: vLLM's DFlash draft graphs, each holding the round of that k.
-        self.draft_graphs: dict[int, object] = {}
         num_slots = self.max_num_reqs
         # Per batch row: the slot its tree is written to (the spare slot num_slots for the
         # padded rows of a replay and for dummy runs), and Weaver's h_v.
@@ -128,7 +130,16 @@ class TreeSpeculator(DFlashSpeculator):
         each k a step may draft is captured in a set of graphs of its own."""
         for budget in self.round_budgets:
             super().init_cudagraph_manager(cudagraph_mode)
-            self.draft_graphs[budget] = self.query_cudagraph_manager
+            setattr(self, _DRAFT_GRAPHS.format(budget), self.query_cudagraph_manager)
+
+    @property
+    def draft_graphs(self) -> dict[int, object]:
+        """By round budget: the vLLM DFlash graph manager whose graphs hold the round of
+        that k. Each is an attribute of its own: vLLM's memory profiling
+        (``profile_cudagraph_memory``) drops every graph-manager attribute of the
+        speculator after it, as it drops ``query_cudagraph_manager``."""
+        managers = {k: getattr(self, _DRAFT_GRAPHS.format(k), None) for k in self.round_budgets}
+        return {k: manager for k, manager in managers.items() if manager is not None}
 
     def _use_round(self, budget: int) -> None:
         """Draft the next round at ``budget``, replaying that budget's graphs (budget 0:
@@ -140,8 +151,9 @@ class TreeSpeculator(DFlashSpeculator):
                 f"dflash_tfm: a step drafts k = {budget}, not one of the round budgets "
                 f"{list(self.round_budgets)} of the batch-size schedule")
         self.round_budget = budget
-        if self.draft_graphs:
-            self.query_cudagraph_manager = self.draft_graphs[budget]
+        manager = self.draft_graphs.get(budget)
+        if manager is not None:
+            self.query_cudagraph_manager = manager
 
     def capture(self) -> None:
         # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
