@@ -227,6 +227,20 @@ def test_a_step_of_a_k_outside_the_schedule_is_refused(gen, vllm_propose):  # no
                      num_speculative_tokens=5)
 
 
+def test_dummy_runs_draft_the_largest_k_of_the_schedule(gen, vllm_propose,  # noqa: F811
+                                                      monkeypatch):
+    # A schedule that never reaches num_speculative_tokens (20): its largest k is 8.
+    spec = _speculator("ddtree", gen, (4, 8))
+    states = torch.randn(MAX_REQS * BLOCK, ROUND_WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+    vllm_propose[0] = 3
+    drafts = spec.propose(_batch(gen, 3, 8), None, None, torch.randn(8, ROUND_WIDTH), None,
+                          None, None, torch.randint(0, ROUND_VOCAB, (MAX_REQS, 1)), None,
+                          None, None, dummy_run=True)
+    assert spec.round_budget == 8 and drafts[:, 8:].eq(-1).all()
+    assert int(spec.engine.trees.gather(torch.tensor([MAX_REQS])).num_nodes[0]) <= 9
+
+
 def test_the_capture_records_the_round_of_each_k_in_its_own_graphs(gen, vllm_propose,  # noqa: F811
                                                                   draft_graph_managers,
                                                                   monkeypatch):

@@ -94,7 +94,7 @@ class TreeSpeculator(DFlashSpeculator):
         self.budget = self.options.budget
         self.round_budgets = budgets
         # The budget the next draft round grows (a Python value: captured per graph).
-        self.round_budget = self.budget
+        self.round_budget = budgets[-1]
         num_slots = self.max_num_reqs
         # Per batch row: the slot its tree is written to (the spare slot num_slots for the
         # padded rows of a replay and for dummy runs), and Weaver's h_v.
@@ -162,7 +162,7 @@ class TreeSpeculator(DFlashSpeculator):
         for budget in self.round_budgets:
             self._use_round(budget)
             super().capture()
-        self._use_round(self.budget)
+        self._use_round(self.round_budgets[-1])
 
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
                         num_tokens_across_dp,
@@ -223,9 +223,10 @@ class TreeSpeculator(DFlashSpeculator):
             h_v = last_hidden_states.index_select(0, ends)
         slots = input_batch.idx_mapping[:num_reqs]
         self._stage_round(slots, h_v, dummy_run)
-        # The step's k from vLLM's batch-size schedule (None: a dummy run, the full budget;
-        # 0: no drafts this step, vLLM's DFlash then stores the context only).
-        budget = self.budget if num_speculative_tokens is None else num_speculative_tokens
+        # The step's k from vLLM's batch-size schedule (None: a dummy run, the largest k
+        # of the schedule; 0: no drafts this step, vLLM's DFlash then stores the context).
+        budget = (self.round_budgets[-1] if num_speculative_tokens is None
+                  else num_speculative_tokens)
         self._use_round(budget)
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, last_sampled,
