@@ -696,11 +696,11 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    rule = ("the rule's own engine, vLLM's batch-size schedule, every k graphed"
-            if runner == "v2" else "the rule's smaller trees eager")
+    rule_note = ("the rule's own engine, vLLM's batch-size schedule, every k graphed"
+                 if runner == "v2" else "the rule's smaller trees eager")
     graphs = ("eager" if shapes.name == "tiny"
               else "mode 0 + FULL_DECODE_ONLY graphs (tree steps of full trees graphed, "
-                   f"one dflash_tfm engine per budget; {rule})")
+                   f"one dflash_tfm engine per budget; {rule_note})")
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, model runner {runner}, {graphs}; "
