@@ -77,7 +77,7 @@ def test_slot_trees_keep_each_slots_tree_and_pad_it_under_the_root():
     back = slots_store.gather(slots)
     for name in ("tokens", "parents", "depths", "num_nodes", "draft_logq"):
         assert torch.equal(getattr(back, name), getattr(trees, name)), name
-    drafts = slots_store.draft_tokens(slots)
+    drafts = slots_store.draft_tokens(slots, BUDGET)
     real = node[1:] < trees.num_nodes.view(-1, 1)
     assert torch.equal(torch.where(real, drafts, -1), torch.where(real, trees.tokens[:, 1:], -1))
     assert torch.equal(drafts[~real], trees.tokens[:, :1].expand_as(drafts)[~real])

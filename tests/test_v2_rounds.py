@@ -35,8 +35,9 @@ BLOCK = 1 + D
 STEPS = [(3, 4), (5, 5), (1, 2), (6, 6), (2, 4)]
 
 
-def _speculator(tree: str, gen: torch.Generator) -> TreeSpeculator:
-    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads."""
+def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,)) -> TreeSpeculator:
+    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads;
+    ``budgets``: the k a step may draft (the batch-size schedule's)."""
     spec = TreeSpeculator.__new__(TreeSpeculator)
     spec.options = TfmOptions(budget=BUDGET, tree=tree, candidate_pool=P)
     spec.weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen))) \
@@ -47,7 +48,7 @@ def _speculator(tree: str, gen: torch.Generator) -> TreeSpeculator:
     spec.sample_indices = torch.zeros(MAX_REQS * D, dtype=torch.int64)
     head = torch.randn(V, WIDTH, generator=gen)
     spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
-    spec._init_round({}, torch.device("cpu"))
+    spec._init_round({}, torch.device("cpu"), budgets)
     return spec
 
 
@@ -124,7 +125,7 @@ def test_a_v2_steps_trees_from_the_round_are_draft_trees_trees(tree, gen, vllm_p
         expected.store(slots, want)
         print(f"step {number}: batch {n}, round on {padded} rows")
         _same_tree(store.gather(slots), expected.gather(slots))
-        assert torch.equal(drafts, expected.draft_tokens(slots))
+        assert torch.equal(drafts, expected.draft_tokens(slots, BUDGET))
         assert (store.gather(slots).num_nodes > 1).all()
         if kept is not None:  # padded rows went to the spare slot, not to these
             _same_tree(store.gather(others), kept)

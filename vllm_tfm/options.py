@@ -160,6 +160,33 @@ def budget_for_batch(table: tuple[tuple[int, int], ...], num_requests: int) -> i
     return table[-1][1]
 
 
+def batch_size_schedule(table: tuple[tuple[int, int], ...],
+                        max_budget: int) -> list[tuple[int, int, int]]:
+    """A budget table as vLLM's ``num_speculative_tokens_per_batch_size`` (model runner
+    V2's dynamic speculative decoding): inclusive (first batch, last batch, k) ranges,
+    k capped at ``max_budget``. vLLM carries the last k past the last range, as the
+    table does."""
+    schedule = []
+    first = 1
+    for max_batch, budget in table:
+        schedule.append((first, max_batch, min(budget, max_budget)))
+        first = max_batch + 1
+    return schedule
+
+
+def budget_table_from_schedule(schedule: list[tuple[int, int, int]],
+                               max_budget: int) -> tuple[tuple[int, int], ...]:
+    """The budget table that picks what a (validated, sorted) vLLM schedule picks: a gap
+    between ranges takes the k before it, and so does every batch past the last range
+    (``build_dynamic_sd_schedule_lookup``); k capped at ``max_budget``."""
+    table: list[tuple[int, int]] = []
+    for first, last, budget in schedule:
+        if table and first > table[-1][0] + 1:  # the gap keeps the previous k
+            table[-1] = (first - 1, table[-1][1])
+        table.append((last, min(budget, max_budget)))
+    return tuple(table)
+
+
 def _budget_table_field(values: dict[str, Any], max_budget: int):
     """``budget_by_batch``: [[max running requests, budget], ...], max running requests
     strictly ascending, every budget one of ``budget_levels(max_budget)``."""

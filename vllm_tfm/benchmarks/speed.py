@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from vllm_tfm.benchmarks.step_phases import PHASES, install
-from vllm_tfm.options import MAX_BATCH, MAX_BUDGET, DFLASH_DRAFT_DEPTH
+from vllm_tfm.options import MAX_BATCH, MAX_BUDGET, DFLASH_DRAFT_DEPTH, TfmOptions
 
 # The engine core in this process (its scheduler's KV-cache config and the runner's phase
 # timers are read directly), offline, vLLM's own sampler kernels.
@@ -152,20 +152,25 @@ def tiny_models() -> dict[str, str]:
 
 # -- engines ---------------------------------------------------------------------------
 
-def speculative_config(method: str, models: dict, max_budget: int) -> dict | None:
+def speculative_config(method: str, models: dict, max_budget: int,
+                       budget_by_batch: tuple[tuple[int, int], ...] | None = None) -> dict | None:
     if method == PLAIN:
         return None
     config = {"model": models["dflash"], "attention_backend": "TRITON_ATTN"}
     if method == VLLM_DFLASH:
         return {**config, "method": "dflash", "num_speculative_tokens": DFLASH_DRAFT_DEPTH}
-    return {**config, "method": "dflash_tfm", "tree": "weaver", "weaver": models["weaver"],
-            "num_speculative_tokens": max_budget}
+    config = {**config, "method": "dflash_tfm", "tree": "weaver", "weaver": models["weaver"],
+              "num_speculative_tokens": max_budget}
+    if budget_by_batch is not None:
+        config["budget_by_batch"] = [list(row) for row in budget_by_batch]
+    return config
 
 
-def engine_kwargs(shapes: Shapes, runner: str, query_len: int = 1 + DFLASH_DRAFT_DEPTH) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str,
+                  query_lens: tuple[int, ...] = (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
-    graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of
-    ``query_len`` tokens per request (1 + the engine's num_speculative_tokens), on CPU the
+    graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
+    of ``query_lens`` tokens per request (1 + every k the engine's steps draft), on CPU the
     tests' CPU settings; one engine for the largest batch and the longest context."""
     max_model_len = max(shapes.contexts) + 1024
     common = dict(max_model_len=max_model_len,
@@ -179,7 +184,7 @@ def engine_kwargs(shapes: Shapes, runner: str, query_len: int = 1 + DFLASH_DRAFT
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
     graphs = CUDA_GRAPH_SETTINGS["full-decode"]
-    sizes = sorted({b * m for b in shapes.batches for m in (1, query_len)})
+    sizes = sorted({b * m for b in shapes.batches for m in (1, *query_lens)})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
@@ -214,12 +219,17 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
     builds the draft rounds the new setting picks (CUDA graphs, captured here between
     measurements while no step runs; kept for later switches), so every setting drafts
     as a served engine of that setting would. False where the runner cannot switch: model
-    runner V2's tree speculator drafts the tree kind and budget it was started with (V2
-    dispatches one uniform query length per engine)."""
+    runner V2's tree speculator drafts the tree kind and budget rule it was started with
+    (vLLM's batch-size schedule and its graphs are fixed per engine), so there a budget
+    is measured on an engine pinned to it and the rule on an engine of its own
+    (``engine_budgets``)."""
     runner = getattr(worker, "worker", worker).model_runner
     if not hasattr(runner, "drafter"):
         options = runner.speculator.options
-        return tree == options.tree and budget == options.budget
+        pinned = options.budget_by_batch == ((MAX_BATCH, options.budget),)
+        if budget is None:
+            return tree == options.tree and not pinned
+        return tree == options.tree and budget == options.budget and pinned
     drafter = runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
@@ -376,27 +386,36 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     path.write_text(text.getvalue())
 
 
-def engine_budgets(settings, budgets: tuple[int, ...]) -> list[tuple[int, list]]:
-    """dflash_tfm's engines: (num_speculative_tokens, the settings it measures), one per
-    budget, since vLLM replays its FULL graphs only for trees of num_speculative_tokens
-    drafts. The engine of the largest budget also measures the budget rule (whose smaller
-    trees run eagerly there); the order is the settings' (the issue's targets first)."""
+def engine_budgets(settings, budgets: tuple[int, ...],
+                   runner: str = "v1") -> list[tuple[int, bool, list]]:
+    """dflash_tfm's engines: (num_speculative_tokens, whether the engine drafts by its
+    budget rule, the settings it measures), one per budget; the order is the settings'
+    (the issue's targets first). On V1, vLLM replays FULL graphs only for trees of
+    num_speculative_tokens drafts: the engine of the largest budget also measures the
+    budget rule (whose smaller trees run eagerly there). On V2 the rule is vLLM's
+    batch-size schedule, graphed at every k: the rule gets an engine of the largest
+    budget of its own, and every other engine is pinned to its budget."""
     largest = max(budgets)
-    by_budget: dict[int, list] = {}
+    by_engine: dict[tuple[int, bool], list] = {}
     for tree, budget in settings:
-        by_budget.setdefault(largest if budget is None else budget, []).append((tree, budget))
-    return list(by_budget.items())
+        key = (largest, runner == "v2") if budget is None else (budget, False)
+        by_engine.setdefault(key, []).append((tree, budget))
+    return [(budget, rule, group) for (budget, rule), group in by_engine.items()]
 
 
 def engine_label(result: dict) -> str:
     budget = result.get("engine_budget")
-    return result["method"] if budget is None else f"{result['method']} (k = {budget})"
+    if budget is None:
+        return result["method"]
+    rule = ", rule" if result.get("engine_rule") else ""
+    return f"{result['method']} (k = {budget}{rule})"
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                deadline: float, log, budget: int | None = None,
-               profile_dir: Path | None = None) -> dict:
-    """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``):
+               profile_dir: Path | None = None, rule_engine: bool = False) -> dict:
+    """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``;
+    on V2 pinned to it, or with ``rule_engine`` drafting by the default budget rule):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
     setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
     is also profiled (``profile_cell``) into a file there."""
@@ -410,11 +429,18 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     select_runner(runner)
     started = time.perf_counter()
     max_budget = budget or DFLASH_DRAFT_DEPTH
-    query_len = {PLAIN: 1, VLLM_DFLASH: 1 + DFLASH_DRAFT_DEPTH}.get(method, 1 + max_budget)
+    query_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(
+        method, (1 + max_budget,))
+    pinned = None
+    if method == TFM and runner == "v2":
+        if rule_engine:  # every k of the rule is graphed: captures for each
+            query_lens = tuple(1 + k for k in TfmOptions(budget=max_budget).step_budgets)
+        else:
+            pinned = ((MAX_BATCH, max_budget),)
     llm = LLM(model=models["target"],
-              speculative_config=speculative_config(method, models, max_budget),
-              **engine_kwargs(shapes, runner, query_len))
-    result = {"method": method, "engine_budget": budget,
+              speculative_config=speculative_config(method, models, max_budget, pinned),
+              **engine_kwargs(shapes, runner, query_lens))
+    result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
               "start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
     log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
@@ -507,8 +533,6 @@ REGIMES = (*(f"paper-{tau:g}" for tau in PAPER_CHAIN_TAUS), "ours")
 
 
 def rule_budget(max_budget: int, batch: int) -> int:
-    from vllm_tfm.options import TfmOptions
-
     return TfmOptions(budget=max_budget).step_budget(batch)
 
 
@@ -672,9 +696,11 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    rule_note = ("the rule's own engine, vLLM's batch-size schedule, every k graphed"
+                 if runner == "v2" else "the rule's smaller trees eager")
     graphs = ("eager" if shapes.name == "tiny"
               else "mode 0 + FULL_DECODE_ONLY graphs (tree steps of full trees graphed, "
-                   "one dflash_tfm engine per budget; the rule's smaller trees eager)")
+                   f"one dflash_tfm engine per budget; {rule_note})")
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, model runner {runner}, {graphs}; "
@@ -683,13 +709,14 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
 
-    engines = [(method, None, None) for method in methods if method != TFM]
+    engines = [(method, None, False, None) for method in methods if method != TFM]
     if TFM in methods:
-        engines += [(TFM, budget, settings) for budget, settings
-                    in engine_budgets(tfm_settings(trees, shapes.budgets), shapes.budgets)]
+        engines += [(TFM, budget, rule, settings) for budget, rule, settings
+                    in engine_budgets(tfm_settings(trees, shapes.budgets), shapes.budgets,
+                                      runner)]
     results: list[dict] = []
     text = ""
-    for method, budget, settings in engines:
+    for method, budget, rule, settings in engines:
         if time.perf_counter() - started > deadline_s:
             results.append({"method": method, "engine_budget": budget, "skipped": "deadline",
                             "cells": [], "memory": None})
@@ -697,7 +724,7 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
         try:
             results.append(run_method(method, models, shapes, runner, settings,
                                       started + deadline_s, log, budget,
-                                      out if profile else None))
+                                      out if profile else None, rule))
         except Exception as error:  # keep the other engines' numbers
             import traceback
 

@@ -16,6 +16,8 @@ import os
 from vllm_tfm.options import (
     METHOD,
     TfmOptions,
+    batch_size_schedule,
+    budget_table_from_schedule,
     resolve_candidate_pool,
     split_speculative_config,
 )
@@ -23,6 +25,8 @@ from vllm_tfm.vllm_glue.patches import vllm_major_minor
 from vllm_tfm.vllm_glue.v2.choice import ENV, select_model_runner, tree_runner
 
 ADDITIONAL_CONFIG_KEY = "dflash_tfm"
+# vLLM's dynamic speculative decoding schedule (model runner V2): the budget rule there.
+BATCH_SCHEDULE_KEY = "num_speculative_tokens_per_batch_size"
 # The one GPU attention backend whose forward the tree path wraps.
 CUDA_ATTENTION_BACKEND = "TRITON_ATTN"
 # Parallelism the tree path does not handle yet, and what it would need.
@@ -69,14 +73,17 @@ def wrap_create_engine_config(original):
         _check_engine_args(self)
         saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
                  self.attention_backend)
+        runner = "v1"  # the only runner on CPU
         if not _on_cpu():
             # The tree path patches model runner V1 or plugs into V2 (vllm_glue/v2), over
             # the TRITON_ATTN backend either way.
-            select_model_runner(choose_runner(self))
+            runner = choose_runner(self)
+            select_model_runner(runner)
             if self.attention_backend is None and self.attention_config.backend is None:
                 # vLLM refuses both fields set, so only fill an unset choice.
                 self.attention_backend = CUDA_ATTENTION_BACKEND
             vllm_spec.setdefault("attention_backend", CUDA_ATTENTION_BACKEND)
+        options = batch_size_budgets(options, vllm_spec, runner)
         self.speculative_config = vllm_spec
         # GDN states advance along the accepted path only, in place: prefix
         # caching's state checkpoints ("align" mode) and async scheduling's
@@ -99,6 +106,52 @@ def wrap_create_engine_config(original):
         return config
 
     return create_engine_config
+
+
+def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> TfmOptions:
+    """One budget rule for the plugin and vLLM; ``vllm_spec`` (vLLM's speculative dict)
+    is completed in place, the options returned follow it.
+
+    On model runner V2 the rule is vLLM's dynamic speculative decoding: the scheduler
+    picks each step's k from the number of scheduled requests and V2 captures FULL
+    graphs for every 1 + k (vllm_glue/v2). So the plugin's rule (``budget_by_batch`` or
+    the default table) becomes ``num_speculative_tokens_per_batch_size``; a schedule the
+    user gave in that field becomes the plugin's rule instead. V1 keeps the plugin's rule
+    alone (``tree_graphs.budget_rule_for_graphs``): vLLM would force PIECEWISE graphs
+    on V1 for a "dflash" engine with a schedule.
+    """
+    user_schedule = vllm_spec.get(BATCH_SCHEDULE_KEY)
+    if runner != "v2":
+        if user_schedule is not None:
+            raise ValueError(
+                f"speculative_config['{BATCH_SCHEDULE_KEY}'] needs model runner V2 with "
+                f"method '{METHOD}'; on model runner V1 give the rule as "
+                "speculative_config['budget_by_batch']")
+        return options
+    if user_schedule is None:
+        schedule = batch_size_schedule(options.budget_table, options.budget)
+        # A rule of one budget is vLLM's static num_speculative_tokens: no schedule, so
+        # its scheduler keeps padding new decodes to the uniform length.
+        if any(k != options.budget for _, _, k in schedule):
+            vllm_spec[BATCH_SCHEDULE_KEY] = schedule
+        return options
+    if options.budget_by_batch is not None:
+        raise ValueError(
+            f"speculative_config sets both 'budget_by_batch' and '{BATCH_SCHEDULE_KEY}' "
+            f"with method '{METHOD}': give the per-batch budget in one of them")
+    from vllm.v1.spec_decode.dynamic.utils import validate_and_normalize_dynamic_sd_schedule
+
+    try:
+        schedule = validate_and_normalize_dynamic_sd_schedule(user_schedule)
+    except ValueError as error:
+        raise ValueError(f"speculative_config['{BATCH_SCHEDULE_KEY}']: {error}") from None
+    if any(k == 0 for _, _, k in schedule):
+        raise ValueError(
+            f"speculative_config['{BATCH_SCHEDULE_KEY}']: every k must be in [1, "
+            f"num_speculative_tokens = {options.budget}] with method '{METHOD}' (a tree "
+            f"step drafts at least one node), got {user_schedule!r}")
+    return dataclasses.replace(
+        options, budget_by_batch=budget_table_from_schedule(schedule, options.budget))
 
 
 def _check_engine_args(engine_args) -> None:

@@ -7,7 +7,8 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
   slots' trees, moves RoPE positions to prefix + depth in place and, for a FULL replay,
   copies the trees into the buffers the captured graph reads (``tree_graphs``); during a
   FULL capture of uniform decodes it activates the fixed-buffer capture step instead, so
-  the graph holds the tree kernels;
+  the graph holds the tree kernels (one capture step per query length 1 + k of the
+  batch-size schedule, ``graphed_steps_by_length``);
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
   (V2's sampling processing per node, tree verification, logprobs along the path);
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
@@ -36,6 +37,7 @@ from vllm_tfm.vllm_glue.commit import (
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
 from vllm_tfm.vllm_glue.v2.engine import find_engine
 from vllm_tfm.vllm_glue.v2.node_processing import check_processors, node_rows, process_node_rows
+from vllm_tfm.vllm_glue.v2.speculator import round_budgets
 from vllm_tfm.vllm_glue.v2.trees import (
     apply_tree_positions,
     batch_tree_step,
@@ -55,9 +57,13 @@ class TreeModelState(MambaHybridModelState):
         super().__init__(vllm_config, model, encoder_cache, device)
         self.context = vllm_config.compilation_config.static_forward_context
         self.engine = find_engine(self.context)
-        self.num_nodes = 1 + vllm_config.speculative_config.num_speculative_tokens
+        speculative = vllm_config.speculative_config
+        # Trees of the largest budget: what SlotTrees and the sampled token rows hold.
+        self.num_nodes = 1 + speculative.num_speculative_tokens
         self.conv_width = conv_width(vllm_config.model_config)
-        self.graphs = GraphedTreeSteps(self.num_nodes, self.conv_width, device)
+        self.graphs = graphed_steps_by_length(
+            round_budgets(speculative, vllm_config.scheduler_config.max_num_seqs),
+            self.conv_width, device)
         self._block_tables: tuple[torch.Tensor, ...] = ()
         self._positions: torch.Tensor | None = None
         self._kv_cache_config = None
@@ -93,22 +99,27 @@ class TreeModelState(MambaHybridModelState):
             model_specific_attn_metadata=model_specific_attn_metadata)
 
     def _capture_step(self, input_batch):
-        """The step a FULL capture runs with: uniform decodes of N nodes each."""
-        if input_batch.max_query_len != self.num_nodes:
+        """The step a FULL capture runs with: uniform decodes of 1 + k nodes each, k one
+        of the schedule's budgets."""
+        graphs = self.graphs.get(input_batch.max_query_len)
+        if graphs is None:
             raise RuntimeError(
                 "dflash_tfm on model runner V2 captures FULL graphs of uniform tree "
-                f"decodes only (query length {self.num_nodes}), got a FULL capture of "
-                f"query length {input_batch.max_query_len}: use "
+                f"decodes only (query lengths {sorted(self.graphs)}), got a FULL capture "
+                f"of query length {input_batch.max_query_len}: use "
                 "compilation_config cudagraph_mode 'FULL_DECODE_ONLY'")
-        return self.graphs.for_capture(input_batch.num_tokens_after_padding)
+        return graphs.for_capture(input_batch.num_tokens_after_padding)
 
     def _bind_graph(self, step, num_reqs_padded: int) -> None:
-        if num_reqs_padded not in self.graphs.steps or not step.only_tree_rows:
+        num_nodes = step.meta.parents.shape[1]
+        graphs = self.graphs.get(num_nodes)
+        if graphs is None or num_reqs_padded not in graphs.steps or not step.only_tree_rows:
+            captured = {n: sorted(g.steps) for n, g in self.graphs.items()}
             raise RuntimeError(
                 f"dflash_tfm: model runner V2 replays a FULL graph of {num_reqs_padded} "
-                f"requests that was not captured with a tree step (captured: "
-                f"{sorted(self.graphs.steps)})")
-        self.graphs.bind(step, num_reqs_padded)
+                f"requests of {num_nodes} nodes that was not captured with a tree step "
+                f"(captured request counts by node count: {captured})")
+        graphs.bind(step, num_reqs_padded)
 
     def capture_inner_cudagraphs(self, *args, **kwargs) -> None:
         # The target's graphs are captured: the drafter's capture comes next, and its
@@ -139,6 +150,14 @@ class TreeModelState(MambaHybridModelState):
                   lambda gid: self._block_tables[gid][:num_reqs], step)
         commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
         step.gdn_records = {}
+
+
+def graphed_steps_by_length(budgets: tuple[int, ...], conv_width: int,
+                            device: torch.device) -> dict[int, GraphedTreeSteps]:
+    """By query length 1 + k, for every k a step may draft: the fixed-buffer tree steps
+    of that k (V2 captures a uniform decode graph of each query length of the batch-size
+    schedule, ``cudagraph_utils._init_candidates``)."""
+    return {1 + k: GraphedTreeSteps(1 + k, conv_width, device) for k in budgets}
 
 
 class TreeRejectionSampler:

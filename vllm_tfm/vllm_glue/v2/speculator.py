@@ -25,6 +25,15 @@ too (every op of a round is per request): their slot index is a spare slot past 
 requests', so they land there. V2 drafts deterministic trees for every request (its
 verifier checks sampled requests target-only, ``v2/verify.py``): nothing falls back.
 
+A step's budget k is vLLM's (``propose(..., num_speculative_tokens=k)``): the scheduler
+reads it off the batch-size schedule (``num_speculative_tokens_per_batch_size``, the
+plugin's budget rule, vllm_glue/config.py) from the number of scheduled requests, and
+the runner masks drafts past k with -1 (so does ``SlotTrees.draft_tokens``). vLLM keys
+its DFlash draft graphs by padded request count only (the block is D queries whatever
+k), so the speculator holds one vLLM graph manager per k of the schedule
+(``round_budgets``), each capturing the round of that k, and replays the one of the
+step's k.
+
 Before the DFlash context pass the accepted path of each request is moved to the front of
 its rows (``TreeStep.context_order``): vLLM's DFlash reads the first
 ``query_len - num_rejected`` rows of each request as the committed context.
@@ -36,6 +45,7 @@ import copy
 
 import torch
 from vllm.config.compilation import CUDAGraphMode
+from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_tfm.drafting.draft_round import CandidatePools, candidate_pools, draft_depth, draft_trees
@@ -46,10 +56,18 @@ from vllm_tfm.vllm_glue.v2.engine import TreeEngine, install_engine
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees
 
 
+# The speculator attribute holding the draft graph manager of round budget k.
+_DRAFT_GRAPHS = "draft_graphs_k{}"
+
+
 def _depth_config(vllm_config, depth: int):
-    """A shallow copy of ``vllm_config`` whose num_speculative_tokens is ``depth``."""
+    """A shallow copy of ``vllm_config`` whose num_speculative_tokens is ``depth`` and
+    with no batch-size schedule: the DFlash block is ``depth`` queries whatever a step's
+    budget (else vLLM's draft graph manager would capture blocks of every 1 + k, which its
+    dispatch never replays)."""
     speculative = copy.copy(vllm_config.speculative_config)
     speculative.num_speculative_tokens = depth
+    speculative.num_speculative_tokens_per_batch_size = None
     config = copy.copy(vllm_config)
     config.speculative_config = speculative
     return config
@@ -66,11 +84,17 @@ class TreeSpeculator(DFlashSpeculator):
             self.weaver = self._load_weaver(vllm_config, device)
             depth = draft_depth(options.budget, options.draft_depth, self.weaver)
         super().__init__(_depth_config(vllm_config, depth), device)
-        self._init_round(vllm_config.compilation_config.static_forward_context, device)
+        self._init_round(vllm_config.compilation_config.static_forward_context, device,
+                         round_budgets(vllm_config.speculative_config, self.max_num_reqs))
 
-    def _init_round(self, static_forward_context: dict, device: torch.device) -> None:
-        """The round's persistent buffers, and the engine record shared with the model state."""
+    def _init_round(self, static_forward_context: dict, device: torch.device,
+                    budgets: tuple[int, ...]) -> None:
+        """The round's persistent buffers, and the engine record shared with the model
+        state; ``budgets``: every k a step may draft (``round_budgets``)."""
         self.budget = self.options.budget
+        self.round_budgets = budgets
+        # The budget the next draft round grows (a Python value: captured per graph).
+        self.round_budget = budgets[-1]
         num_slots = self.max_num_reqs
         # Per batch row: the slot its tree is written to (the spare slot num_slots for the
         # padded rows of a replay and for dummy runs), and Weaver's h_v.
@@ -100,11 +124,45 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.weaver.prepare_tables(*_embedding_and_head(target_model))
 
+    def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
+        """One vLLM DFlash graph manager per round budget: its draft graph is keyed by the
+        padded request count only (the block is D queries whatever k), so the round of
+        each k a step may draft is captured in a set of graphs of its own."""
+        for budget in self.round_budgets:
+            super().init_cudagraph_manager(cudagraph_mode)
+            setattr(self, _DRAFT_GRAPHS.format(budget), self.query_cudagraph_manager)
+
+    @property
+    def draft_graphs(self) -> dict[int, object]:
+        """By round budget: the vLLM DFlash graph manager whose graphs hold the round of
+        that k. Each is an attribute of its own: vLLM's memory profiling
+        (``profile_cudagraph_memory``) drops every graph-manager attribute of the
+        speculator after it, as it drops ``query_cudagraph_manager``."""
+        managers = {k: getattr(self, _DRAFT_GRAPHS.format(k), None) for k in self.round_budgets}
+        return {k: manager for k, manager in managers.items() if manager is not None}
+
+    def _use_round(self, budget: int) -> None:
+        """Draft the next round at ``budget``, replaying that budget's graphs (budget 0:
+        vLLM's DFlash runs no round)."""
+        if budget == 0:
+            return
+        if budget not in self.round_budgets:
+            raise RuntimeError(
+                f"dflash_tfm: a step drafts k = {budget}, not one of the round budgets "
+                f"{list(self.round_budgets)} of the batch-size schedule")
+        self.round_budget = budget
+        manager = self.draft_graphs.get(budget)
+        if manager is not None:
+            self.query_cudagraph_manager = manager
+
     def capture(self) -> None:
         # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
         # their trees go to the spare slot, whatever the last step left in tree_slots.
         self.tree_slots.fill_(self.max_num_reqs)
-        super().capture()
+        for budget in self.round_budgets:
+            self._use_round(budget)
+            super().capture()
+        self._use_round(self.round_budgets[-1])
 
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
                         num_tokens_across_dp,
@@ -130,10 +188,10 @@ class TreeSpeculator(DFlashSpeculator):
         # its block of query rows.
         roots = self.input_buffers.input_ids[: num_reqs * block : block].long()
         trees = draft_trees(
-            self.options.tree, roots, pools, self.budget, weaver=self.weaver,
+            self.options.tree, roots, pools, self.round_budget, weaver=self.weaver,
             h_v=None if self.h_v is None else self.h_v[:num_reqs],
             dflash_hidden=dflash_hidden, fanout=self.options.fanout,
-            expand_width=self.options.expand_width_for(self.budget), validate=False)
+            expand_width=self.options.expand_width_for(self.round_budget), validate=False)
         self.engine.trees.store(self.tree_slots[:num_reqs], trees)
 
     def _stage_round(self, slots: torch.Tensor, h_v: torch.Tensor, dummy_run: bool) -> None:
@@ -165,11 +223,27 @@ class TreeSpeculator(DFlashSpeculator):
             h_v = last_hidden_states.index_select(0, ends)
         slots = input_batch.idx_mapping[:num_reqs]
         self._stage_round(slots, h_v, dummy_run)
+        # The step's k from vLLM's batch-size schedule (None: a dummy run, the largest k
+        # of the schedule; 0: no drafts this step, vLLM's DFlash then stores the context).
+        budget = (self.round_budgets[-1] if num_speculative_tokens is None
+                  else num_speculative_tokens)
+        self._use_round(budget)
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, last_sampled,
                         next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run,
                         num_speculative_tokens=num_speculative_tokens, **kwargs)
-        return engine.trees.draft_tokens(slots)
+        return engine.trees.draft_tokens(slots, budget)
+
+
+def round_budgets(speculative_config, max_num_reqs: int) -> tuple[int, ...]:
+    """Every k a step of this engine may draft, ascending: the values of vLLM's own dense
+    batch-size lookup (the scheduler's), else num_speculative_tokens alone."""
+    budget = speculative_config.num_speculative_tokens
+    schedule = speculative_config.num_speculative_tokens_per_batch_size
+    if schedule is None:
+        return (budget,)
+    lookup = build_dynamic_sd_schedule_lookup(schedule, max_num_reqs, budget)
+    return tuple(sorted(set(lookup[1:])))
 
 
 def _permute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

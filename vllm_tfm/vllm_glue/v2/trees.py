@@ -1,11 +1,13 @@
 """Draft trees kept by request slot, and the tree step of a V2 batch.
 
 Model runner V2 keeps every per-request tensor by request slot (``idx_mapping`` maps a
-batch row to its slot) and dispatches FULL graphs for uniform batches of exactly
-1 + num_speculative_tokens tokens per request. So every tree here has N = 1 + budget
-nodes for the kernels: a tree the builder left smaller is padded with children of the
-root that repeat the root's token (``kernel_parents``). They are scored like any node
-and never verified: verification reads the trees cut to their real nodes (``gather``).
+batch row to its slot) and dispatches FULL graphs for uniform batches of exactly 1 + k
+tokens per request, k the step's budget (num_speculative_tokens, or a smaller k of the
+batch-size schedule). The slots are N = 1 + num_speculative_tokens wide; a step of
+budget k scores the first 1 + k nodes of each tree. A tree the builder left smaller than
+its budget is padded with children of the root that repeat the root's token
+(``kernel_parents``). They are scored like any node and never verified: verification
+reads the trees cut to their real nodes (``gather``).
 """
 
 from __future__ import annotations
@@ -71,9 +73,12 @@ class SlotTrees:
         self.parents[slot] = -1
         self.num_nodes[slot] = 1
 
-    def draft_tokens(self, slots: torch.Tensor) -> torch.Tensor:
-        """[R, N - 1] the tokens vLLM schedules after each slot's root."""
-        return self.tokens[slots.long(), 1:]
+    def draft_tokens(self, slots: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """[R, N - 1] the tokens vLLM schedules after each slot's root: the first
+        ``num_drafts`` nodes after it (the step's k), -1 past them."""
+        tokens = self.tokens[slots.long(), 1:]
+        tokens[:, num_drafts:] = -1
+        return tokens
 
     def gather(self, slots: torch.Tensor) -> DraftTree:
         """The trees of ``slots``, real nodes only (what verification reads)."""
