@@ -39,7 +39,13 @@ import time
 from pathlib import Path
 
 from vllm_tfm.benchmarks.step_phases import PHASES, install
-from vllm_tfm.options import MAX_BATCH, MAX_BUDGET, DFLASH_DRAFT_DEPTH, TfmOptions
+from vllm_tfm.options import (
+    DFLASH_DRAFT_DEPTH,
+    MAX_BATCH,
+    MAX_BUDGET,
+    TfmOptions,
+    default_budget_table,
+)
 
 # The engine core in this process (its scheduler's KV-cache config and the runner's phase
 # timers are read directly), offline, vLLM's own sampler kernels.
@@ -431,14 +437,15 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     max_budget = budget or DFLASH_DRAFT_DEPTH
     query_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(
         method, (1 + max_budget,))
-    pinned = None
+    table = None
     if method == TFM and runner == "v2":
-        if rule_engine:  # every k of the rule is graphed: captures for each
+        if rule_engine:  # the default rule, given (V2 opts in by a table); every k graphed
+            table = default_budget_table(max_budget)
             query_lens = tuple(1 + k for k in TfmOptions(budget=max_budget).step_budgets)
         else:
-            pinned = ((MAX_BATCH, max_budget),)
+            table = ((MAX_BATCH, max_budget),)
     llm = LLM(model=models["target"],
-              speculative_config=speculative_config(method, models, max_budget, pinned),
+              speculative_config=speculative_config(method, models, max_budget, table),
               **engine_kwargs(shapes, runner, query_lens))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
               "start_s": time.perf_counter() - started, "cells": [],
