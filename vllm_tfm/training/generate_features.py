@@ -207,32 +207,37 @@ def vllm_engine_kwargs(args, cuda: bool) -> dict:
             "kv_cache_memory_bytes": VLLM_CUDA_KV_BYTES, "gpu_memory_utilization": 0.95}
 
 
-def vllm_continue(llm, plan: ShardPlan, new_tokens: int, desc: str) -> torch.Tensor:
-    """[R, L + new_tokens] int64: the plan's prompts continued by `llm`, each row greedy
-    or (sampled) drawn from the full T=1 softmax with its own seed; EOS is an ordinary
+def vllm_continue(llm, plans: list[ShardPlan], new_tokens: int) -> list[torch.Tensor]:
+    """Per plan, [R, L + new_tokens] int64: its prompts continued by `llm` (all plans'
+    rows in one `generate`, batched as the engine schedules them), each row greedy or
+    (sampled) drawn from the full T=1 softmax with its own seed; EOS is an ordinary
     token, as in `data.continue_prompts`."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     options = dict(max_tokens=new_tokens, ignore_eos=True, detokenize=False)
-    params = [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed, **options)
-              if drawn else SamplingParams(temperature=0.0, **options)
-              for drawn, seed in zip(plan.sampled.tolist(), plan.row_seeds())]
-    prompts = [TokensPrompt(prompt_token_ids=row) for row in plan.prompts.tolist()]
-    print(desc, flush=True)
+    params, prompts = [], []
+    for plan in plans:
+        params += [SamplingParams(temperature=1.0, top_p=1.0, top_k=0, seed=seed, **options)
+                   if drawn else SamplingParams(temperature=0.0, **options)
+                   for drawn, seed in zip(plan.sampled.tolist(), plan.row_seeds())]
+        prompts += [TokensPrompt(prompt_token_ids=row) for row in plan.prompts.tolist()]
     outputs = llm.generate(prompts, params)
     continuation = torch.tensor([list(out.outputs[0].token_ids) for out in outputs],
                                 dtype=torch.int64)
     if continuation.shape != (len(prompts), new_tokens):
         raise RuntimeError(f"vLLM returned continuations of shape {tuple(continuation.shape)}"
                            f", expected {(len(prompts), new_tokens)}")
-    return torch.cat([plan.prompts, continuation], 1)
+    parts = continuation.split([plan.prompts.shape[0] for plan in plans])
+    return [torch.cat([plan.prompts, part], 1) for plan, part in zip(plans, parts)]
 
 
 def vllm_phase(args, out: Path, jobs, windows_of, cuda: bool) -> dict[str, float]:
     """Decode and store the continuations of every job (split, index, rows) that has
-    none stored, in one vLLM engine, then shut it down and free its memory. Returns the
-    sequences decoded, the engine's start and the decoding seconds."""
+    none stored, in one vLLM engine, then shut it down and free its memory. Shards are
+    decoded in groups of at least --batch sequences (so small shards still fill the
+    engine's batch), each group's stored before the next starts. Returns the sequences
+    decoded, the engine's start and the decoding seconds."""
     todo = [job for job in jobs if not continuation_path(out, *job[:2]).is_file()]
     made = {"generated_seqs": 0.0, "engine_start_s": 0.0, "generate_s": 0.0}
     if not todo:
@@ -240,18 +245,30 @@ def vllm_phase(args, out: Path, jobs, windows_of, cuda: bool) -> dict[str, float
     from vllm import LLM
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    groups, rows = [[]], 0
+    for job in todo:
+        if rows >= args.batch:
+            groups.append([])
+            rows = 0
+        groups[-1].append(job)
+        rows += job[2]
     (out / CONTINUATIONS).mkdir(exist_ok=True)
     started = time.perf_counter()
     llm = LLM(**vllm_engine_kwargs(args, cuda))
     made["engine_start_s"] = time.perf_counter() - started
     try:
-        for split, index, rows in todo:
-            plan = plan_shard(windows_of(split), split, index, rows, args)
+        for group in groups:
+            print("generate " + ", ".join(f"{split} {index}" for split, index, _ in group),
+                  flush=True)
+            plans = [plan_shard(windows_of(split), split, index, rows, args)
+                     for split, index, rows in group]
             started = time.perf_counter()
-            tokens = vllm_continue(llm, plan, args.new_tokens, f"generate {split} {index}")
+            tokens = vllm_continue(llm, plans, args.new_tokens)
             made["generate_s"] += time.perf_counter() - started
-            made["generated_seqs"] += rows
-            write_continuations(continuation_path(out, split, index), tokens, plan.sampled)
+            for (split, index, rows), plan, shard_tokens in zip(group, plans, tokens):
+                write_continuations(continuation_path(out, split, index), shard_tokens,
+                                    plan.sampled)
+                made["generated_seqs"] += rows
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -260,6 +277,8 @@ def vllm_phase(args, out: Path, jobs, windows_of, cuda: bool) -> dict[str, float
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+    if cuda:
+        made["gpu_gib_after_vllm"] = torch.cuda.memory_allocated() / 2**30
     return made
 
 
