@@ -289,6 +289,35 @@ def target_vocab_size(target_dir: str) -> int:
     return config.get_text_config().vocab_size
 
 
+def make_shards(target: Target, layer_ids, out: Path, jobs, windows_of, args,
+                made: dict[str, float]) -> None:
+    """Write each job's shard: its continuations (stored by `vllm_phase`, or decoded now
+    by the transformers target), then the feature forward over them; adds the tokens,
+    sequences decoded and stage seconds to `made`."""
+    for split, index, rows in jobs:
+        stored = continuation_path(out, split, index)
+        if args.engine == "vllm":
+            tokens, sampled = read_continuations(stored)
+        else:
+            plan = plan_shard(windows_of(split), split, index, rows, args)
+            generator = torch.Generator(device=target.device).manual_seed(plan.seed)
+            step = time.perf_counter()
+            tokens = data.continue_prompts(target, plan.prompts, args.new_tokens, plan.sampled,
+                                           generator, batch_size=args.batch,
+                                           desc=f"generate {split} {index}")
+            made["generate_s"] += time.perf_counter() - step
+            made["generated_seqs"] += rows
+            sampled = plan.sampled
+        step = time.perf_counter()
+        aux, final = target.features(tokens, layer_ids, batch_size=args.batch,
+                                     desc=f"features {split} {index}")
+        features.write_shard(out / features.shard_name(split, index), tokens, sampled, aux,
+                             final)
+        made["forward_s"] += time.perf_counter() - step
+        made["tokens"] += tokens.numel()
+        stored.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     fill_family_defaults(args, target="target", **({} if args.layer_ids else {"dflash": "dflash"}))
@@ -338,28 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
     layer_ids = target.check_layer_ids(spec["layer_ids"])
     if runtime.is_main and not (out / features.HEAD_FILE).is_file():
         features.write_head(out, target.embed, target.lm_head)
-    for split, index, rows in mine:
-        stored = continuation_path(out, split, index)
-        if args.engine == "vllm":
-            tokens, sampled = read_continuations(stored)
-        else:
-            plan = plan_shard(windows_of(split), split, index, rows, args)
-            generator = torch.Generator(device=target.device).manual_seed(plan.seed)
-            step = time.perf_counter()
-            tokens = data.continue_prompts(target, plan.prompts, args.new_tokens, plan.sampled,
-                                           generator, batch_size=args.batch,
-                                           desc=f"generate {split} {index}")
-            made["generate_s"] += time.perf_counter() - step
-            made["generated_seqs"] += tokens.shape[0]
-            sampled = plan.sampled
-        step = time.perf_counter()
-        aux, final = target.features(tokens, layer_ids, batch_size=args.batch,
-                                     desc=f"features {split} {index}")
-        features.write_shard(out / features.shard_name(split, index), tokens, sampled, aux,
-                             final)
-        made["forward_s"] += time.perf_counter() - step
-        made["tokens"] += tokens.numel()
-        stored.unlink(missing_ok=True)
+    make_shards(target, layer_ids, out, mine, windows_of, args, made)
     seconds = time.perf_counter() - started
     keys = sorted(made)
     totals = runtime.mean(torch.tensor([made[k] for k in keys], dtype=torch.float64))
@@ -377,6 +385,36 @@ def main(argv: list[str] | None = None) -> dict:
     report = complete_manifest(out, spec, counts, target, layer_ids, made, use_fla)
     print(json.dumps(report))
     return report
+
+
+def greedy_differences(reference: str | Path, other: str | Path, model: Target,
+                       tie_margin: float) -> list[dict]:
+    """The greedy rows of two feature directories of one spec but for the engine, row by
+    row (`engine_runs.compare_greedy`: tokens `matched` before the first difference, and
+    there whether it is a `tie`, i.e. `model`'s top-2 logprob margin at `reference`'s token
+    is below `tie_margin`). Raises if the two hold other prompts or greedy/sampled rows."""
+    from vllm_tfm.tiny.engine_runs import compare_greedy
+
+    rows = []
+    for split in features.SPLITS:
+        left, right = (features.FeatureSplit(d, split) for d in (reference, other))
+        if left.num_sequences == 0:
+            continue
+        left, right, prompt_len = left.all(), right.all(), left.prompt_len
+        if not (torch.equal(left.sampled, right.sampled)
+                and torch.equal(left.tokens[:, :prompt_len], right.tokens[:, :prompt_len])):
+            raise ValueError(f"{reference} and {other} hold other {split} prompts or "
+                             "greedy/sampled rows: not made with the same arguments")
+        greedy = ~left.sampled
+        if not bool(greedy.any()):
+            continue
+        logits = model.forward(left.tokens[greedy]).logits[:, prompt_len - 1 : -1]
+        top2 = logits.log_softmax(-1).topk(2, -1).values
+        base = {"tokens": left.tokens[greedy, prompt_len:].tolist(),
+                "margins": (top2[..., 0] - top2[..., 1]).tolist()}
+        rows += compare_greedy(base, {"tokens": right.tokens[greedy, prompt_len:].tolist()},
+                               tie_margin)
+    return rows
 
 
 def complete_manifest(out: Path, spec: dict, counts: dict[str, int], target: Target,
