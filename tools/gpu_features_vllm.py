@@ -1,9 +1,10 @@
 """Feature generation with the continuations decoded by vLLM against transformers' own
 decoding, on a CUDA GPU inside vLLM 0.33's Python code (issue 20, item 1). One call checks,
-then times, then prints a table. On the H200 (device call carrying [".gpu-vllm-0.33.0",
-".gpu-fla"]):
+then times, then prints a table. On the H200 (device call carrying [".gpu-v033s",
+".gpu-fla"]: the 0.33.0 payload whose Triton cache holds vLLM's kernels at 27B shapes;
+.gpu-vllm-0.33.0, the same with the tiny models' cache, compiles a minute or two more):
 
-    bash .gpu-vllm-0.33.0/setup.sh > /dev/null && \\
+    bash .gpu-v033s/setup.sh > /dev/null && \\
         PYTHONPATH=/tmp/vsrc:/tmp/site:$PWD/.gpu-fla:$PWD python3 tools/gpu_features_vllm.py --out $OUT
 
 1. Check: a model of Qwen3.6-27B's layer widths (`bench_training.QWEN36_27B_TARGET` cut to

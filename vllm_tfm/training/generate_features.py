@@ -64,10 +64,10 @@ from vllm_tfm.training.target import Target
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ENGINES = ("transformers", "vllm")
 CONTINUATIONS = "continuations"  # subdirectory: the vLLM phase's output, per shard
-# vLLM's KV / GDN-state budget on CUDA (a fixed budget skips its memory profiling): 128
-# sequences of a few hundred tokens of Qwen3.6-27B need ~12 GB of GDN states and ~2 GB of
-# KV; 54 GB of bf16 weights + 40 GB fit an H200 with room for the graphs.
-VLLM_CUDA_KV_BYTES = 40 << 30
+# Default of --vllm-kv-gib, vLLM's KV / GDN-state budget on CUDA (a fixed budget skips its
+# memory profiling): 128 sequences of a few hundred tokens of Qwen3.6-27B need ~12 GB of GDN
+# states and ~2 GB of KV; 54 GB of bf16 weights + 40 GiB fit an H200 with room for graphs.
+VLLM_CUDA_KV_GIB = 40.0
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=ENGINES, default="transformers",
                         help="what decodes the continuations (the feature forward is "
                         "transformers' either way)")
+    parser.add_argument("--vllm-kv-gib", type=float, default=VLLM_CUDA_KV_GIB,
+                        help="--engine vllm on CUDA: vLLM's KV and GDN-state memory (lower it "
+                        "with --batch on an 80 GB GPU)")
     add_device_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -204,7 +207,8 @@ def vllm_engine_kwargs(args, cuda: bool) -> dict:
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": args.batch}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
-            "kv_cache_memory_bytes": VLLM_CUDA_KV_BYTES, "gpu_memory_utilization": 0.95}
+            "kv_cache_memory_bytes": int(args.vllm_kv_gib * 2**30),
+            "gpu_memory_utilization": 0.9}
 
 
 def vllm_continue(llm, plans: list[ShardPlan], new_tokens: int) -> list[torch.Tensor]:
@@ -332,6 +336,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.batch = args.batch or (128 if cuda else 32)
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
+    if args.vllm_kv_gib <= 0:
+        raise ValueError(f"--vllm-kv-gib must be > 0, got {args.vllm_kv_gib}")
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     use_fla = (args.fla or ("on" if cuda else "off")) == "on"
     digest = data.target_digest(args.target, weights=not args.random_weights)
