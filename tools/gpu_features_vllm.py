@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"check_{engine}", [sys.executable, "-m", "vllm_tfm.training.generate_features",
                                 "--engine", engine, "--target", str(model_dir),
                                 "--out", str(work / f"check_{engine}"), *CHECK_ARGS],
-            out, min(150, left()))
+            out, min(200, left()))
     results: dict = {"stages": stages, "new_tokens": BENCH_NEW_TOKENS}
     if all(stage["rc"] == 0 for stage in stages.values()):
         results["check"] = check(work, model_dir)
