@@ -3,6 +3,8 @@ DFlash and Weaver training from the features, with random weights.
 
     python tools/bench_training.py --shapes qwen3.6-27b --device cuda --work /tmp/bench
     python tools/bench_training.py --shapes tiny --device cpu --work /tmp/bench   (smoke)
+    python tools/bench_training.py --engine vllm --features-only ...   (vLLM decoding; GPU
+        harness tools/gpu_vllm on CUDA)
 
 qwen3.6-27b: the target is Qwen3.6-27B's text model (64 layers, hidden 5120, GDN x3 + full
 attention, vocabulary 248320; `QWEN36_27B_TARGET`) with random bf16 weights and fla's GDN
@@ -12,8 +14,9 @@ assumption); the Weaver the published dimensions (d_rank 2048, 1 layer, 16 heads
 mlp_dim 1376 as in DESIGN.md section 3's stand-in). tiny: the tiny family (CPU smoke).
 
 Stages (each a command of vllm_tfm/training, in-process, in --work): generate_features
-over random prompts, train_dflash, train_weaver. Prints one table: feature tokens/s and
-bytes per million tokens; per training command the seconds per step (median after the
+over random prompts (continuations decoded by --engine), train_dflash, train_weaver
+(--features-only: the first stage only). Prints one table: feature tokens/s (whole run, and
+decoding's own: generated tokens / generate seconds) and bytes per million tokens; per training command the seconds per step (median after the
 first), trained tokens/s (blocks x 15 positions per step), peak GPU memory, and the hours
 one epoch over --epoch-tokens stored tokens would take (an epoch: every stored sequence
 read once, --anchors blocks from each). The numbers also go to <work>/report.json.
@@ -84,6 +87,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=96)
     parser.add_argument("--feature-batch", type=int, help="generate_features --batch")
+    parser.add_argument("--engine", choices=generate_features.ENGINES, default="transformers",
+                        help="generate_features --engine")
+    parser.add_argument("--features-only", action="store_true",
+                        help="stop after feature generation (no training stages)")
     parser.add_argument("--steps", type=int, default=20, help="training steps per command")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--anchors", type=int, default=4)
@@ -138,8 +145,21 @@ def main(argv: list[str] | None = None) -> dict:
         "--prompts", "random", "--num-seqs", str(args.num_seqs),
         "--heldout-seqs", str(args.heldout_seqs), "--prompt-len", str(args.prompt_len),
         "--new-tokens", str(args.new_tokens), "--shard-seqs", str(max(1, args.num_seqs // 4)),
+        "--engine", args.engine,
         *(["--batch", str(args.feature_batch)] if args.feature_batch else []), *device,
     ])
+    made = feature_report["this_run"]
+    decoded = made["generated_seqs"] * args.new_tokens
+    print(f"features ({args.engine}): {made['tokens_per_s'] or float('nan'):.0f} tokens/s "
+          f"({made['tokens']} tokens in {made['seconds']:.1f} s: engine start "
+          f"{made['engine_start_s']:.1f} s, generate {made['generate_s']:.1f} s = "
+          f"{decoded / max(made['generate_s'], 1e-9):.0f} decoded tokens/s, forward "
+          f"{made['forward_s']:.1f} s), {feature_report['bytes_per_million_tokens'] / 1e9:.2f}"
+          " GB per million tokens", flush=True)
+    report = {"shapes": args.shapes, "engine": args.engine, "features": feature_report}
+    if args.features_only:
+        (work / "report.json").write_text(json.dumps(report, indent=1) + "\n")
+        return report
     seq_len = args.prompt_len + args.new_tokens
     trained_tokens = args.batch * args.anchors * 15
     steps_per_epoch = args.epoch_tokens / seq_len / args.batch
@@ -156,14 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
         train_weaver.main, ["--dflash", str(trained_dflash), "--out", str(work / "weaver"),
                             *weaver_args, "--eval-budget", "64", *common],
         args.device, trained_tokens, steps_per_epoch)
-    report = {"shapes": args.shapes, "features": feature_report, "training": rows,
-              "epoch_tokens": args.epoch_tokens, "batch": args.batch, "anchors": args.anchors}
+    report.update(training=rows, epoch_tokens=args.epoch_tokens, batch=args.batch,
+                  anchors=args.anchors)
     (work / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    made = feature_report["this_run"]
-    print(f"features: {made['tokens_per_s'] or float('nan'):.0f} tokens/s "
-          f"({made['tokens']} tokens, generate {made['generate_s']:.1f} s, forward "
-          f"{made['forward_s']:.1f} s), {feature_report['bytes_per_million_tokens'] / 1e9:.2f}"
-          " GB per million tokens")
     print(f"{'command':<14}{'s/step':>10}{'tokens/s':>12}{'peak GiB':>10}"
           f"{'epoch h':>10}   (epoch = {args.epoch_tokens:.0e} stored tokens)")
     for name, row in rows.items():
