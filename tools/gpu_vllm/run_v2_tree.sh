@@ -4,8 +4,9 @@
 #
 #   run(command="bash tools/gpu_vllm/run_v2_tree.sh [STAGE...]", carry=[".gpu-vllm-0.33.0"])
 #
-# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default (default: all four, longer than one
-# call should be: stage 3 alone is ~3-4 minutes, stages 1 + 2 ~4-5, stage 4 ~3).
+# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default, 5-budget-by-batch (default: all
+# five, longer than one call should be: stage 3 alone is ~3-4 minutes, stages 1 + 2 ~4-5,
+# stage 4 ~3, stage 5 ~3-4).
 #
 # Stage 1: eager V2 (enforce_eager), no speculation + dflash_tfm weaver B=7: greedy equal
 #          to no speculation up to bf16 ties, a sampled run (T=1, seeded) completes, every
@@ -22,6 +23,9 @@
 #          compilation and graphs (torch.compile, FULL + PIECEWISE), weaver B=7, staggered
 #          requests (prompt chunks beside trees): greedy vs no speculation, tree steps never
 #          in a PIECEWISE graph (tools/gpu_e2e.py --cudagraphs default --staggered).
+# Stage 5: the batch-size-aware budget through vLLM's dynamic speculative decoding
+#          (tools/gpu_vllm/v2_dynsd_check.py says what it checks): FULL graphs replayed at
+#          every query length 1 + k of the schedule, greedy vs no speculation.
 # Each stage writes $OUT/<stage>/ (gpu_e2e.{md,json} or v2_sampling.{md,json}) and
 # $OUT/<stage>.log; a summary is printed last. Setup ~30 s, each engine ~30-60 s.
 set -u
@@ -34,7 +38,7 @@ unset TRITON_INTERPRET
 MODELS=/tmp/v2_tree_models
 python3 tools/gpu_e2e.py build "$MODELS" > "$OUT/build.log" 2>&1 || { echo "model build failed"; tail -20 "$OUT/build.log"; exit 1; }
 
-STAGES=${*:-1-eager 2-full-graphs 3-sampling 4-default}
+STAGES=${*:-1-eager 2-full-graphs 3-sampling 4-default 5-budget-by-batch}
 status=0
 stage() {  # name, timeout seconds, then "e2e" and gpu_e2e.py run arguments, or a command
   local name=$1 limit=$2; shift 2
@@ -56,6 +60,8 @@ stage 2-full-graphs 280 e2e --cudagraphs full-decode --configs "weaver B=7" \
 stage 3-sampling 270 python3 tools/gpu_v2_sampling.py --models "$MODELS" \
     --out "$OUT/3-sampling" --max-tokens 32
 stage 4-default 280 e2e --cudagraphs default --configs "weaver B=7" --staggered --deadline-s 200
+stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$MODELS" \
+    --out "$OUT/5-budget-by-batch" --max-tokens 32
 
 echo; echo "== summary"
 for name in $STAGES; do

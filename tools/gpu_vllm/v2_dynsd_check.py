@@ -1,5 +1,6 @@
 """The batch-size-aware budget on model runner V2 (vLLM's dynamic speculative decoding) on
-a CUDA GPU, inside vLLM 0.33's Python code (tools/gpu_vllm/run_v2_dynsd.sh runs it).
+a CUDA GPU, inside vLLM 0.33's Python code (`tools/gpu_vllm/run_v2_tree.sh
+5-budget-by-batch` runs it).
 
     python3 tools/gpu_vllm/v2_dynsd_check.py --models DIR --out OUT [--max-tokens 32]
 

@@ -134,7 +134,8 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
         if options.budget_by_batch is None:
             # The default table stays the full budget at every batch size on V2 (as under
             # V1's graphs) until steps of several k have passed their GPU check
-            # (tools/gpu_vllm/run_v2_dynsd.sh, not yet run); a table the user gives opts in.
+            # (tools/gpu_vllm/run_v2_tree.sh 5-budget-by-batch, not yet run); a table the
+            # user gives opts in.
             return dataclasses.replace(options, budget_by_batch=((MAX_BATCH, options.budget),))
         schedule = batch_size_schedule(options.budget_by_batch, options.budget)
         # A rule of one budget is vLLM's static num_speculative_tokens: no schedule, so
