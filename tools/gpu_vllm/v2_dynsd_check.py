@@ -39,29 +39,15 @@ COUNTS: collections.Counter = collections.Counter()
 def count_graphs_by_length() -> None:
     """Count V2's target forwards of tree steps by (CUDA-graph mode, query length), and the
     tree speculator's draft-graph replays by round budget k; dummy runs left out."""
-    from vllm.v1.worker.gpu import model_runner as v2
     from vllm.v1.worker.gpu.spec_decode.dflash.cudagraph import DFlashCudaGraphManager
 
+    from vllm_tfm.tiny.gpu_checks import count_v2_graph_dispatch
     from vllm_tfm.vllm_glue.v2.speculator import TreeSpeculator
 
-    dispatch, execute = v2.dispatch_cg_and_sync_dp, v2.GPUModelRunner.execute_model
-    running = []  # whether each execute_model call in progress is a tree step
+    count_v2_graph_dispatch(COUNTS, lambda descriptor, tree_step: (
+        f"tree steps {descriptor.cg_mode.name} q{descriptor.uniform_token_count}"
+        if tree_step else None))
     manager_budget: dict[int, int] = {}  # id(graph manager) -> its round budget
-
-    def execute_model(self, scheduler_output, *args, dummy_run: bool = False, **kwargs):
-        running.append(not dummy_run
-                       and bool(getattr(scheduler_output, "scheduled_spec_decode_tokens", None)))
-        try:
-            return execute(self, scheduler_output, *args, dummy_run=dummy_run, **kwargs)
-        finally:
-            running.pop()
-
-    def dispatch_cg_and_sync_dp(*args, **kwargs):
-        result = dispatch(*args, **kwargs)
-        if running and running[-1]:
-            desc = result[0]
-            COUNTS[f"tree steps {desc.cg_mode.name} q{desc.uniform_token_count}"] += 1
-        return result
 
     init_managers = TreeSpeculator.init_cudagraph_manager
 
@@ -76,8 +62,6 @@ def count_graphs_by_length() -> None:
             COUNTS[f"draft graph replays k{manager_budget[id(self)]}"] += 1
         return run_fullgraph(self, desc)
 
-    v2.GPUModelRunner.execute_model = execute_model
-    v2.dispatch_cg_and_sync_dp = dispatch_cg_and_sync_dp
     TreeSpeculator.init_cudagraph_manager = init_cudagraph_manager
     DFlashCudaGraphManager.run_fullgraph = replay
 

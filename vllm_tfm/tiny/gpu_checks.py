@@ -116,9 +116,14 @@ def select_runner(runner: str) -> None:
     envs.disable_envs_cache()
 
 
-def count_v2_graph_dispatch() -> None:
-    """Count model runner V2's target forwards by CUDA-graph mode, split into the steps of
-    a dflash_tfm engine with drafts scheduled (tree steps) and the others, as
+def _dispatch_key(descriptor, tree_step: bool) -> str:
+    return f"{'tree' if tree_step else 'other'} steps, graph mode {descriptor.cg_mode.name}"
+
+
+def count_v2_graph_dispatch(counts=LAUNCHES, key=_dispatch_key) -> None:
+    """Count model runner V2's target forwards in ``counts`` under ``key(descriptor, tree
+    step)`` (None: not counted); by default by CUDA-graph mode, split into the steps of a
+    dflash_tfm engine with drafts scheduled (tree steps) and the others, as
     launch_counts.count_graph_dispatch does for V1. Dummy runs (capture, profiling) are
     left out."""
     from vllm.v1.worker.gpu import model_runner as v2
@@ -141,8 +146,9 @@ def count_v2_graph_dispatch() -> None:
     def dispatch_cg_and_sync_dp(*args, **kwargs):
         result = dispatch(*args, **kwargs)
         if running and not running[-1][0]:
-            kind = "tree" if running[-1][1] else "other"
-            LAUNCHES[f"{kind} steps, graph mode {result[0].cg_mode.name}"] += 1
+            name = key(result[0], running[-1][1])
+            if name is not None:
+                counts[name] += 1
         return result
 
     v2.GPUModelRunner.execute_model = execute_model
