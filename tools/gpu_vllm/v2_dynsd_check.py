@@ -98,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm import SamplingParams
 
     from vllm_tfm.tiny.engine_runs import PROMPTS, compare_greedy, timed_generate
-    from vllm_tfm.tiny.gpu_checks import on_tiny_engine
+    from vllm_tfm.tiny.gpu_checks import on_tiny_engine, set_harness_env
     from vllm_tfm.vllm_glue import register
+
+    set_harness_env()  # V2's sampler imports FlashInfer unless told not to
 
     register()
     count_graphs_by_length()
