@@ -92,13 +92,11 @@ def _options(**fields) -> TfmOptions:
 
 
 def test_on_v2_the_plugins_rule_fills_vllms_schedule():
-    # The default table stays the full budget until the several-k path passes on a GPU.
-    spec = {"method": "dflash", "num_speculative_tokens": 64}
-    options = batch_size_budgets(_options(), spec, "v2")
-    assert options == _options(budget_by_batch=((MAX_BATCH, 64),))
-    assert BATCH_SCHEDULE_KEY not in spec
     spec = {"method": "dflash", "num_speculative_tokens": 64}
     default = default_budget_table(64)
+    assert batch_size_budgets(_options(), spec, "v2") == _options()  # the default table
+    assert spec[BATCH_SCHEDULE_KEY] == batch_size_schedule(default, 64)
+    spec = {"method": "dflash", "num_speculative_tokens": 64}
     options = batch_size_budgets(_options(budget_by_batch=default), spec, "v2")
     assert options == _options(budget_by_batch=default)
     assert spec[BATCH_SCHEDULE_KEY] == batch_size_schedule(default, 64)

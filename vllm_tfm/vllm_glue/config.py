@@ -14,7 +14,6 @@ import functools
 import os
 
 from vllm_tfm.options import (
-    MAX_BATCH,
     METHOD,
     TfmOptions,
     batch_size_schedule,
@@ -116,8 +115,8 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
     On model runner V2 the rule is vLLM's dynamic speculative decoding: the scheduler
     picks each step's k from the number of scheduled requests and V2 captures FULL
     graphs for every 1 + k (vllm_glue/v2). So the user's ``budget_by_batch`` becomes
-    ``num_speculative_tokens_per_batch_size`` (the default table, for now, the full
-    budget at every batch size: see below); a schedule the user gave in that field becomes
+    ``num_speculative_tokens_per_batch_size`` (the default table when none is given); a
+    schedule the user gave in that field becomes
     the plugin's rule instead. V1 keeps the plugin's rule
     alone (``tree_graphs.budget_rule_for_graphs``): vLLM would force PIECEWISE graphs
     on V1 for a "dflash" engine with a schedule.
@@ -131,13 +130,7 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
                 "speculative_config['budget_by_batch']")
         return options
     if user_schedule is None:
-        if options.budget_by_batch is None:
-            # The default table stays the full budget at every batch size on V2 (as under
-            # V1's graphs) until steps of several k have passed their GPU check
-            # (tools/gpu_vllm/run_v2_tree.sh 5-budget-by-batch, not yet run); a table the
-            # user gives opts in.
-            return dataclasses.replace(options, budget_by_batch=((MAX_BATCH, options.budget),))
-        schedule = batch_size_schedule(options.budget_by_batch, options.budget)
+        schedule = batch_size_schedule(options.budget_table, options.budget)
         # A rule of one budget is vLLM's static num_speculative_tokens: no schedule, so
         # its scheduler keeps padding new decodes to the uniform length.
         if any(k != options.budget for _, _, k in schedule):
