@@ -93,11 +93,12 @@ def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
     text = speed.run(shapes, "v1", (PLAIN, VLLM_DFLASH, TFM), ("weaver", "chain"),
                      tmp_path, tmp_path / "work", deadline_s=1e9, profile=True)
     assert "FAILED" not in text
-    # Each engine's first cell profiled: the host side by function, then the kernels.
+    # Each engine's first cell at each batch size profiled: the host side by function,
+    # then the kernels.
     profiles = {path.name: path.read_text() for path in tmp_path.glob("profile_*.txt")}
-    assert set(profiles) == {"profile_plain.txt", "profile_vllm_dflash_15.txt",
-                             "profile_dflash_tfm_k_8.txt"}
-    assert "propose" in profiles["profile_dflash_tfm_k_8.txt"]
+    assert set(profiles) == {f"profile_{engine}_B{batch}.txt" for batch in (1, 2)
+                             for engine in ("plain", "vllm_dflash_15", "dflash_tfm_k_8")}
+    assert "propose" in profiles["profile_dflash_tfm_k_8_B2.txt"]
     assert all("torch profiler, 2 steps" in text for text in profiles.values())
     saved = json.loads((tmp_path / "bench_speed.json").read_text())
     by_method = {r["method"]: r for r in saved["results"]}

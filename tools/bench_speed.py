@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--profile", action="store_true",
-                        help="also profile each engine's first cell (host by function, "
-                             "kernels) into OUT/profile_<engine>.txt")
+                        help="also profile each engine's first cell at each batch size (host "
+                             "by function, kernels) into OUT/profile_<engine>_B<batch>.txt")
     parser.add_argument("--merge", nargs="+", type=Path,
                         help="only write OUT's report from these runs' bench_speed.json "
                              "(each method from the last run that measured it)")

@@ -424,7 +424,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     on V2 pinned to it, or with ``rule_engine`` drafting by the default budget rule):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
     setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
-    is also profiled (``profile_cell``) into a file there."""
+    at each batch size is also profiled (``profile_cell``) into a file there."""
     import torch
     from vllm import LLM
 
@@ -455,6 +455,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     result["runner_class"] = llm.collective_rpc(_runner_class)[0]
     llm.collective_rpc(_install_timer, args=(runner,))
     session = Session(llm, models["vocab_size"])
+    profiled: set[int] = set()  # batch sizes whose first cell was profiled
     try:
         for context in sorted(shapes.contexts):
             if time.perf_counter() > deadline:
@@ -487,9 +488,10 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                     setting = f"{tree} {budget or 'rule'}" if tree else ""
                     log(f"  {method} ctx {context} B {cell['batch']} {setting}: period "
                         f"{cell['period_ms']:.2f} ms ({phases})")
-                    if profile_dir is not None and len(result["cells"]) == 1:
+                    if profile_dir is not None and cell["batch"] not in profiled:
+                        profiled.add(cell["batch"])
                         name = re.sub(r"[^\w.-]+", "_", engine_label(result)).strip("_")
-                        path = profile_dir / f"profile_{name}.txt"
+                        path = profile_dir / f"profile_{name}_B{cell['batch']}.txt"
                         profile_cell(session, shapes.steps, path)
                         log(f"  profiled {shapes.steps} steps of that cell: {path}")
             session.close()
@@ -690,7 +692,8 @@ def merge_reports(paths: list[Path], out: Path) -> str:
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
         out: Path, work: Path, deadline_s: float, profile: bool = False) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
-    report is rewritten after each. ``profile``: each engine's first cell profiled too."""
+    report is rewritten after each. ``profile``: each engine's first cell at each batch
+    size profiled too."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     import torch
