@@ -177,7 +177,10 @@ def engine_kwargs(shapes: Shapes, runner: str,
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
     of ``query_lens`` tokens per request (1 + every k the engine's steps draft), on CPU the
-    tests' CPU settings; one engine for the largest batch and the longest context."""
+    tests' CPU settings; one engine for the largest batch and the longest context. The
+    DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
+    whatever the target's: its FULL graphs need those batch sizes too (without them V2
+    runs a batch's draft round eagerly)."""
     max_model_len = max(shapes.contexts) + 1024
     common = dict(max_model_len=max_model_len,
                   max_num_seqs=max(shapes.batches + (shapes.long_batches or ())),
@@ -190,7 +193,8 @@ def engine_kwargs(shapes: Shapes, runner: str,
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
     graphs = CUDA_GRAPH_SETTINGS["full-decode"]
-    sizes = sorted({b * m for b in shapes.batches for m in (1, *query_lens)})
+    lens = (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens)
+    sizes = sorted({b * m for b in shapes.batches + (shapes.long_batches or ()) for m in lens})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
