@@ -375,6 +375,23 @@ def tile_root_row(
 
 
 @triton.jit
+def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K,
+                  BK: tl.constexpr, BKC: tl.constexpr):
+    """(k_i . k_0, q_i . k_0) of ``rows``, raw (unnormalised): node 0's column of the peeled
+    tile kernel's A and P before the norms and the decay."""
+    k_k0 = tl.zeros(rows.shape, dtype=tl.float32)
+    q_k0 = tl.zeros(rows.shape, dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        ck = j * BKC + tl.arange(0, BKC)
+        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
+        b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+        k_k0 += tl.sum(b_k.to(tl.float32) * k0[None, :], axis=1)
+        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+        q_k0 += tl.sum(b_q.to(tl.float32) * k0[None, :], axis=1)
+    return k_k0, q_k0
+
+
+@triton.jit
 def tile_row_block(
     q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
     stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
@@ -396,6 +413,9 @@ def tile_row_block(
         tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
         gr_hi, gr_lo = fp32_pair(g_r)
 
+        if PEEL:  # before the state products, while few tiles are alive (sm_90 spills 648 -> 504 B)
+            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC)
+
         # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
         # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
         # and the norms -> right-hand side; the earlier blocks' terms; K K^T -> A; solve;
@@ -404,8 +424,6 @@ def tile_row_block(
         qs = tl.zeros([R, BV], dtype=tl.float32)
         k_sq = tl.zeros([R], dtype=tl.float32)
         q_sq = tl.zeros([R], dtype=tl.float32)
-        k_k0 = tl.zeros([R], dtype=tl.float32)  # raw k_i . k_0 and q_i . k_0 (PEEL)
-        q_k0 = tl.zeros([R], dtype=tl.float32)
         for c in tl.static_range(BK // BKC):
             ck = c * BKC + tl.arange(0, BKC)
             s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
@@ -416,10 +434,6 @@ def tile_row_block(
             b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
             qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
             q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-            if PEEL:
-                k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
-                k_k0 += tl.sum(b_k.to(tl.float32) * k0[None, :], axis=1)
-                q_k0 += tl.sum(b_q.to(tl.float32) * k0[None, :], axis=1)
         rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([R], 1.0, dtype=tl.float32)
         rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([R], scale, dtype=tl.float32)
         b_beta = tl.load(beta + rows * stride_bn, mask=live, other=0.0).to(tl.float32)
@@ -427,10 +441,11 @@ def tile_row_block(
         b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
         rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
         b_o = (e_g * rq)[:, None] * qs
-        if PEEL:  # node 0's column: rhs_i -= A_i0 Delta_0, O_i += P_i0 Delta_0
+        if PEEL:  # node 0's column: rhs_i -= A_i0 Delta_0, O_i += P_i0 Delta_0, masked to its
+            # descendants (in a forest the other rows never see it)
             root = tl.zeros([1], dtype=tl.int32)
-            root_g = tl.zeros([1], dtype=tl.float32)
-            decay = masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo, root_g + g0, root_g)
+            g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
+            decay = masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo, g_root, g_root * 0)
             rhs -= ((b_beta * rk * rk0 * k_k0)[:, None] * decay) * d0[None, :]
             b_o += ((rq * rk0 * q_k0)[:, None] * decay) * d0[None, :]
 
