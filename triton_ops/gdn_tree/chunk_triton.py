@@ -7,15 +7,26 @@ solves ``(I + A) Delta = diag(beta) U`` and forms the outputs:
     Delta_r = (I + A_rr)^{-1} (diag(beta_r) U_r - sum_{c<r} A_rc Delta_c)
     O_r     = diag(e^G) Q_r S0 + sum_{c<=r} P_rc Delta_c
 
-Two verify kernels compute it (``default_verify_kernel`` picks one by N and batch):
+Two verify kernels compute it, the first in two variants (``default_verify_kernel``
+picks one by N and batch):
 
 Tile (``_verify_tile_kernel``), N <= 128: one launch, one program per (request,
 value head, block of BV value columns) walks the request's own row blocks (the
-first SB rows; past 64 nodes a second block of 16 or 64, ``tile_second_block``):
+first SB rows; past 64 rows a second block of 16 or 64, ``tile_second_block``):
 ``K S0``, ``Q S0`` with K in chunks of 64, the earlier block's ``A_rc`` and
 ``P_rc`` recomputed from the keys against its ``Delta_c`` (read back from the output
 this program wrote), ``K K^T``, the diagonal solve, ``Q K^T``. Every V block redoes
 the key-side products and the solve, which is cheap while the batch is small.
+
+Peeled tile (the same kernel, PEEL = 1): node 0 has no parent, so its row is one
+recurrent step from S0 (``Delta_0 = beta_0 (v_0 - e^{g_0} S0^T k_0)``); the row
+blocks then cover nodes 1 .. N - 1 and take node 0 as a one-row earlier block,
+``A_i0 Delta_0`` and ``P_i0 Delta_0`` under the ancestor mask. This is the
+recurrence's ``S_1 = e^{g_0} S0 + k_0 Delta_0^T`` expanded in the products
+(``e^{G_i - g_0} K_i S_1 = e^{G_i} K_i S0 + e^{G_i - g_0} (k_i . k_0) Delta_0^T``) but
+needs no rooted tree: rows outside node 0's tree get no term. The engine's trees
+(a root and a power-of-two budget: 17, 33, 65 nodes) then fit blocks of 16, 32 and
+64 rows instead of 32, 64 and 64 + 16 (``peel_shrinks_tile``).
 
 Split, any N: two launches, the split fla's chunk kernels use, so that no kernel
 holds the triangular solve and the state products at once; the solve runs once per
@@ -96,7 +107,8 @@ VERIFY_KERNELS = ("tile", "peeled_tile", "split")
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
 # 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
-# heads (B = 8), 65..80 nodes at B > 1 (``tools/bench_kernels.py --kernels tile,split``).
+# heads (B = 8), 65..80 nodes at B > 1, the peeled tile kernel at any batch
+# (``tools/bench_kernels.py --kernels tile,peeled_tile,split``).
 SPLIT_MIN_HEADS = 512
 
 
@@ -129,10 +141,10 @@ def peel_shrinks_tile(N: int) -> bool:
 
 
 def tile_second_block(N: int) -> int:
-    """Rows of the tile kernel's second row block for N nodes, 0 for N <= 64: 16 up to 80
-    nodes (a budget-64 tree has 65), else 64. Not 32: that block spilled 3x more than
-    either (sm_90 spill stack, Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows
-    480 B, 32 rows 1472 B, 64 rows 784 B; one block, N <= 64: 256 B)."""
+    """Rows of the tile kernel's second row block for N rows, 0 for N <= 64: 16 up to 80
+    rows, else 64. Not 32: that block spilled 3x more than either (sm_90 spill stack,
+    Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows 480 B, 32 rows 1472 B, 64
+    rows 784 B; one block, N <= 64: 256 B)."""
     if N <= MAX_SUPER_BLOCK:
         return 0
     return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
@@ -362,7 +374,8 @@ def tile_root_row(
     rq = scale / tl.sqrt(tl.sum(q_sq) + 1e-6) if USE_L2 else tl.full([], scale, dtype=tl.float32)
     g0 = tl.load(g).to(tl.float32)
     e_g = tl.exp(g0)
-    d0 = tl.load(beta).to(tl.float32) * (tl.load(v + cv * stride_vv, mask=cv < V, other=0.0).to(tl.float32) - e_g * rk * ks)
+    v0 = tl.load(v + cv * stride_vv, mask=cv < V, other=0.0).to(tl.float32)
+    d0 = tl.load(beta).to(tl.float32) * (v0 - e_g * rk * ks)
     tl.store(delta + cv, d0, mask=cv < V)
     tl.store(o + cv, (e_g * rq * qs + rq * rk * tl.sum(qk) * d0).to(o.dtype.element_ty), mask=cv < V)
     tl.store(gate_sum, g0.to(tl.float64))
