@@ -107,12 +107,17 @@ TRITON_CASES = [
     (1, 1, 1, 1, 16, 16, ["random"]),
     (2, 5, 1, 2, 16, 16, ["random", "star"]),
     (3, 40, 2, 4, 16, 32, ["random", "forest", "star"]),
+    (2, 17, 1, 3, 16, 16, ["chain", "forest"]),
     (2, 33, 1, 3, 20, 24, ["bushy", "chain"]),
     (1, 70, 1, 1, 16, 16, ["random"]),
     (2, 24, 2, 2, 64, 64, ["forest", "random"]),
     (1, 16, 1, 1, 128, 128, ["bushy"]),
     # Past one 64-row block: block forward substitution across row blocks.
     (2, 65, 1, 2, 16, 16, ["star", "chain"]),
+    (2, 65, 2, 6, 32, 32, ["bushy", "forest"]),
+    (1, 65, 1, 3, 128, 128, ["random"]),  # the engine's default tree at the model's head dims
+    (2, 66, 1, 3, 16, 16, ["chain", "star"]),
+    (2, 72, 2, 6, 16, 16, ["random", "forest"]),
     (2, 80, 1, 2, 16, 16, ["random", "bushy"]),
     (1, 81, 2, 2, 16, 16, ["forest"]),
     (1, 80, 1, 2, 128, 128, ["bushy"]),  # the model's head dims: two K chunks per pass
@@ -124,8 +129,8 @@ TRITON_CASES = [
 
 
 def kernels_for(N: int) -> list[str]:
-    """The verify kernels that take N nodes (the tile kernel at most TILE_MAX_NODES)."""
-    return [k for k in chunk_triton.VERIFY_KERNELS if k != "tile" or N <= chunk_triton.TILE_MAX_NODES]
+    """The verify kernels that take N nodes (the tile kernels at most TILE_MAX_NODES)."""
+    return [k for k in chunk_triton.VERIFY_KERNELS if chunk_triton.kernel_takes(k, N)]
 
 
 def use_kernel(monkeypatch, kernel: str) -> None:
@@ -165,13 +170,14 @@ def test_triton_verify_and_commit_match_naive(case, kernel, poisoned_outputs, ge
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("N", [128, 80])
+@pytest.mark.parametrize("N", [128, 80, 65])
 @pytest.mark.parametrize("kernel", kernels_for(128))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_outputs, gen, monkeypatch):
     """Requests of N, 65, 64, 17 and 1 nodes in one batch: some end inside the
     first row block, some one node into the second (64 rows at N = 128, 16 at N =
-    80 for the tile kernel), whose padding blocks the kernels skip; every real node
+    80 for the tile kernel; none at N = 65 peeled), whose padding blocks the kernels skip
+    (the peeled kernel's second block starts one node later); every real node
     still matches, every padding row is zero. With bf16 inputs the committed fp32
     state still holds fp32 accuracy (the state products split the state in bf16 parts)."""
     use_kernel(monkeypatch, kernel)
@@ -200,7 +206,7 @@ def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
     gen = torch.Generator().manual_seed(1000 + seed)
     pick = lambda options: options[int(torch.randint(len(options), (1,), generator=gen))]  # noqa: E731
     B, H, group = pick([1, 2, 3]), pick([1, 2]), pick([1, 3])
-    N = pick([1, 7, 16, 17, 31, 50, 64, 65, 90, 96, 127, 128])
+    N = pick([1, 7, 16, 17, 31, 33, 50, 64, 65, 66, 72, 80, 90, 96, 127, 128])
     K, V, dtype = pick([16, 24, 32]), pick([16, 40]), pick([torch.float32, torch.bfloat16])
     counts = [N] + [int(torch.randint(1, N + 1, (1,), generator=gen)) for _ in range(B - 1)]
     shapes = [pick(["random", "bushy", "chain", "forest", "star"]) for _ in range(B)]
@@ -252,10 +258,16 @@ def test_tile_second_block_rows():
 
 
 def test_default_verify_kernel_weighs_nodes_and_batch():
-    """The tile kernel up to 80 nodes while the batch is small, the split past either."""
+    """A tile kernel up to 80 nodes while the batch is small, peeled where node 0 alone
+    spills into a larger block (the engine's root + power-of-two budget trees), the split
+    past either."""
     heads = chunk_triton.SPLIT_MIN_HEADS
     assert chunk_triton.default_verify_kernel(16, 48) == "tile"
-    assert chunk_triton.default_verify_kernel(65, 48) == "tile"  # a budget-64 tree
+    assert chunk_triton.default_verify_kernel(64, 48) == "tile"
+    for N in (17, 33, 65):  # budgets 16, 32, 64
+        assert chunk_triton.default_verify_kernel(N, 48) == "peeled_tile", N
+        assert chunk_triton.default_verify_kernel(N, heads) == "split", N
+    assert chunk_triton.default_verify_kernel(66, 48) == "tile"  # 65 rows after the root: no block saved
     assert chunk_triton.default_verify_kernel(80, heads - 1) == "tile"
     assert chunk_triton.default_verify_kernel(81, 48) == "split"
     assert chunk_triton.default_verify_kernel(128, 48) == "split"
@@ -265,7 +277,8 @@ def test_default_verify_kernel_weighs_nodes_and_batch():
 def test_unknown_verify_kernel_raises(gen):
     meta = random_tree_metadata(gen, ["random"], 130)
     inputs = make_inputs(gen, 1, 130, 1, 1, 16, 16)
-    for kernel, match in (("fast", "kernel must be one of"), ("tile", "'tile' only for N <= 128")):
+    for kernel, match in (("fast", "kernel must be one of"), ("tile", "tile kernels only for N <= 128"),
+                          ("peeled_tile", "tile kernels only for N <= 128")):
         with pytest.raises(ValueError, match=match):
             chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel)
 
@@ -307,8 +320,10 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
         assert torch.equal(p.view(as_bits), before.view(as_bits))
 
 
-@pytest.mark.parametrize("N", [40, 96])
-@pytest.mark.parametrize("backend, kernel", [("torch", None), ("triton", "tile"), ("triton", "split")])
+@pytest.mark.parametrize("N", [40, 65, 96])
+@pytest.mark.parametrize(
+    "backend, kernel", [("torch", None), ("triton", "tile"), ("triton", "peeled_tile"), ("triton", "split")]
+)
 def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen, monkeypatch):
     if kernel is not None:
         use_kernel(monkeypatch, kernel)
@@ -327,6 +342,29 @@ def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen
     for b in range(B):
         assert torch.isfinite(new_pool).all()
         assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL
+
+
+@pytest.mark.parametrize("kernel", ["peeled_tile", "tile"])
+def test_node_0_reaches_only_its_own_tree(kernel, poisoned_outputs, gen, monkeypatch):
+    """The peeled kernel adds node 0's column under the ancestor mask, so a forest needs no
+    other path: here node 0 is a lone root and a 64-node chain (the rows after it fill one
+    block exactly) starts at node 1; node 0's decay of 3000 nats would overflow in any
+    unmasked exp(G_i - G_0)."""
+    use_kernel(monkeypatch, kernel)
+    N = 65
+    parents = torch.arange(-1, N - 1).view(1, N).expand(2, N).contiguous()
+    parents[:, 1] = -1
+    parents[1, 2:] = 0  # the second request: a star around node 0 for contrast
+    meta = build_tree_metadata(parents)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 2, N, 1, 3, 16, 16)
+    g[:, 0] = -3000.0
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
+    check_verify(out, ref_o, meta, FP32_TOL)
+    leaf = torch.tensor([N - 1, N - 1])
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, leaf, backend="triton")
+    assert rel_err(new_pool[slots.long()], ref_states[torch.arange(2), leaf]) < FP32_TOL
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -45,7 +45,7 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree.chunk import PRECISIONS
-from triton_ops.gdn_tree.chunk_triton import TILE_MAX_NODES, VERIFY_KERNELS, verify_triton
+from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, kernel_takes, verify_triton
 from triton_ops.testing import random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
@@ -217,7 +217,8 @@ def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadl
         (1, 64, 16, 48, 128, 128, "random", False, torch.float32),
         (2, 48, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
         (3, 128, 16, 48, 128, 128, "bushy", True, "bf16 inputs"),
-        # The engine's budget-64 tree: 65 nodes, the tile kernel's 16-row second block.
+        # The engine's budget-64 tree: 65 nodes, the peeled tile kernel's one 64-row block
+        # (the tile kernel adds a 16-row second block).
         (3, 65, 16, 48, 128, 128, "random", True, "bf16 inputs"),
         (2, 80, 2, 6, 128, 128, "forest", True, torch.float32),
     ]
@@ -249,7 +250,7 @@ def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadl
         passed = pad_ok and max(errs) < tol and (not low or commit_err < 1e-5)
         kernel_cells = []
         for kernel in kernels:
-            if kernel == "tile" and N > TILE_MAX_NODES:
+            if not kernel_takes(kernel, N):
                 kernel_cells.append("-")
                 continue
             out = verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, "tf32x3", kernel=kernel)
@@ -414,7 +415,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         check_table_errors(args.failed, f"gdn {N}x{B} default", verify_err, commit_err)
         kernel_cells = []
         for kernel in args.kernels:
-            if kernel == "tile" and N > TILE_MAX_NODES:
+            if not kernel_takes(kernel, N):
                 kernel_cells += ["-", "-"]
                 continue
             us = guarded(f"verify {kernel}", lambda: time_graph(
@@ -479,6 +480,7 @@ SWEEP_CONFIGS = {
     # 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from 128 heads).
     "tile": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)],
 }
+SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
 
 
 def gdn_config_sweep(device, args, deadline: float) -> list[str]:
@@ -491,7 +493,7 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
     configs = SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"])
     for N, B in ((128, 1), (64, 8), (128, 8), (64, 32)):
-        if kernel == "tile" and N > TILE_MAX_NODES:
+        if kernel is not None and not kernel_takes(kernel, N):
             continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
@@ -523,7 +525,7 @@ def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
         for _ in range(2):
             gdn_tree_commit(inputs[5], inputs[6], meta, gdn_tree_verify(*inputs, meta), leaf)
             for kernel in kernels:
-                if kernel != "tile" or N <= TILE_MAX_NODES:
+                if kernel_takes(kernel, N):
                     verify_triton(*inputs, meta, 128**-0.5, True, "tf32x3", kernel=kernel)
     if device.type == "cuda":
         torch.cuda.synchronize()

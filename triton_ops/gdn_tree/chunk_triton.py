@@ -7,15 +7,26 @@ solves ``(I + A) Delta = diag(beta) U`` and forms the outputs:
     Delta_r = (I + A_rr)^{-1} (diag(beta_r) U_r - sum_{c<r} A_rc Delta_c)
     O_r     = diag(e^G) Q_r S0 + sum_{c<=r} P_rc Delta_c
 
-Two verify kernels compute it (``default_verify_kernel`` picks one by N and batch):
+Two verify kernels compute it, the first in two variants (``default_verify_kernel``
+picks one by N and batch):
 
 Tile (``_verify_tile_kernel``), N <= 128: one launch, one program per (request,
 value head, block of BV value columns) walks the request's own row blocks (the
-first SB rows; past 64 nodes a second block of 16 or 64, ``tile_second_block``):
+first SB rows; past 64 rows a second block of 16 or 64, ``tile_second_block``):
 ``K S0``, ``Q S0`` with K in chunks of 64, the earlier block's ``A_rc`` and
 ``P_rc`` recomputed from the keys against its ``Delta_c`` (read back from the output
 this program wrote), ``K K^T``, the diagonal solve, ``Q K^T``. Every V block redoes
 the key-side products and the solve, which is cheap while the batch is small.
+
+Peeled tile (the same kernel, PEEL = 1): node 0 has no parent, so its row is one
+recurrent step from S0 (``Delta_0 = beta_0 (v_0 - e^{g_0} S0^T k_0)``); the row
+blocks then cover nodes 1 .. N - 1 and take node 0 as a one-row earlier block,
+``A_i0 Delta_0`` and ``P_i0 Delta_0`` under the ancestor mask. This is the
+recurrence's ``S_1 = e^{g_0} S0 + k_0 Delta_0^T`` expanded in the products
+(``e^{G_i - g_0} K_i S_1 = e^{G_i} K_i S0 + e^{G_i - g_0} (k_i . k_0) Delta_0^T``) but
+needs no rooted tree: rows outside node 0's tree get no term. The engine's trees
+(a root and a power-of-two budget: 17, 33, 65 nodes) then fit blocks of 16, 32 and
+64 rows instead of 32, 64 and 64 + 16 (``peel_shrinks_tile``).
 
 Split, any N: two launches, the split fla's chunk kernels use, so that no kernel
 holds the triangular solve and the state products at once; the solve runs once per
@@ -74,12 +85,13 @@ CROSS_COLS = 32
 MIN_BLOCK_V = 32
 
 
-# Largest node count the tile kernel takes: two row blocks of MAX_SUPER_BLOCK.
+# Largest node count the tile kernels take: two row blocks of MAX_SUPER_BLOCK.
 TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
-# Largest node count the dispatch sends to the tile kernel: one block plus a 16-row block
+# Largest node count the dispatch sends to a tile kernel: one block plus a 16-row block
 # (tile_second_block); past it the 64-row second block loses to the split (below).
 TILE_DISPATCH_MAX_NODES = MAX_SUPER_BLOCK + 16
-VERIFY_KERNELS = ("tile", "split")
+# "peeled_tile": the tile kernel with node 0 solved first, as one recurrent step.
+VERIFY_KERNELS = ("tile", "peeled_tile", "split")
 # (request, value head) pairs, B * HV, from which the split runs instead of the tile
 # kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
 # device calls" and "Stop 15 device calls"; bf16 inputs, HV = 48, K = V = 128, us per
@@ -95,22 +107,44 @@ VERIFY_KERNELS = ("tile", "split")
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
 # 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
-# heads (B = 8), 65..80 nodes at B > 1 (``tools/bench_kernels.py --kernels tile,split``).
+# heads (B = 8), 65..80 nodes at B > 1, the peeled tile kernel at any batch
+# (``tools/bench_kernels.py --kernels tile,peeled_tile,split``).
 SPLIT_MIN_HEADS = 512
 
 
 def default_verify_kernel(N: int, heads: int) -> str:
-    """The verify kernel for N nodes and B * HV heads: the tile kernel for small batches
-    of up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), the split
-    otherwise."""
-    return "tile" if N <= TILE_DISPATCH_MAX_NODES and heads < SPLIT_MIN_HEADS else "split"
+    """The verify kernel for N nodes and B * HV heads: a tile kernel for small batches of
+    up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), peeled where that
+    shrinks its row blocks (:func:`peel_shrinks_tile`); the split otherwise."""
+    if N > TILE_DISPATCH_MAX_NODES or heads >= SPLIT_MIN_HEADS:
+        return "split"
+    return "peeled_tile" if peel_shrinks_tile(N) else "tile"
+
+
+def kernel_takes(kernel: str, N: int) -> bool:
+    """Whether verify kernel ``kernel`` takes trees of N nodes (the tile kernels: two row
+    blocks of at most MAX_SUPER_BLOCK rows)."""
+    return kernel == "split" or N <= TILE_MAX_NODES
+
+
+def tile_blocks(rows: int) -> tuple[int, int]:
+    """Rows of the tile kernel's first and second row block for ``rows`` rows."""
+    return min(dot_block(rows), MAX_SUPER_BLOCK), tile_second_block(rows)
+
+
+def peel_shrinks_tile(N: int) -> bool:
+    """Whether solving node 0 first leaves the tile kernel smaller row blocks for the other
+    N - 1 nodes: for N = 2^k + 1 from 17 up, the engine's trees (a root and a power-of-two
+    budget). At 65 nodes it drops the 16-row second block (H200, Qwen3.6-27B shapes, B = 1:
+    64 nodes 31-32 us, 65 unpeeled 50 us); at 17 and 33 it halves the one block."""
+    return N > 1 and tile_blocks(N - 1) != tile_blocks(N)
 
 
 def tile_second_block(N: int) -> int:
-    """Rows of the tile kernel's second row block for N nodes, 0 for N <= 64: 16 up to 80
-    nodes (a budget-64 tree has 65), else 64. Not 32: that block spilled 3x more than
-    either (sm_90 spill stack, Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows
-    480 B, 32 rows 1472 B, 64 rows 784 B; one block, N <= 64: 256 B)."""
+    """Rows of the tile kernel's second row block for N rows, 0 for N <= 64: 16 up to 80
+    rows, else 64. Not 32: that block spilled 3x more than either (sm_90 spill stack,
+    Triton 3.9 on the CPU machine, BV = 32, 4 warps: 16 rows 480 B, 32 rows 1472 B, 64
+    rows 784 B; one block, N <= 64: 256 B)."""
     if N <= MAX_SUPER_BLOCK:
         return 0
     return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
@@ -246,10 +280,16 @@ def word_bits(lo, hi, cols):
 
 
 @triton.jit
-def word_halves(words, row_base, rows, c, W, n_valid):
-    """Word ``c`` (columns ``64 c .. 64 c + 63``) of each row's ancestor bitset as int32
-    halves (int64 tiles cost twice the registers); 0 past ``n_valid``."""
+def word_halves(words, row_base, rows, c, W, n_valid, SHIFT: tl.constexpr):
+    """Columns ``64 c + SHIFT .. 64 c + SHIFT + 63`` of each row's ancestor bitset as int32
+    halves (int64 tiles cost twice the registers); 0 past ``n_valid``. SHIFT = 1 is the
+    peeled tile kernel's window, whose row blocks start one node later."""
     w = tl.load(words + (row_base + rows) * W + c, mask=rows < n_valid, other=0)
+    if SHIFT > 0:
+        upper_valid = tl.where(c + 1 < W, n_valid, 0)  # no word past the last
+        upper = tl.load(words + (row_base + rows) * W + c + 1, mask=rows < upper_valid, other=0)
+        # >> on int64 copies the sign bit: clear the SHIFT bits it fills before merging.
+        w = ((w >> SHIFT) & ((1 << (64 - SHIFT)) - 1)) | (upper << (64 - SHIFT))
     return w.to(tl.int32), (w >> 32).to(tl.int32)
 
 
@@ -303,24 +343,91 @@ def block_forward_solve(a, rhs, NP: tl.constexpr, BT: tl.constexpr, PREC: tl.con
 
 
 @triton.jit
+def tile_root_row(
+    q, k, v, g, beta, state, o, delta, gate_sum, k_normed,
+    stride_qk, stride_kk, stride_vv, stride_sk, stride_sv, scale, cv, write_k, K, V,
+    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
+):
+    """Node 0 of the peeled tile kernel (pointers at the request and head): a root (its
+    parent index is below 0), so one recurrent step from S0 gives its row,
+
+        Delta_0 = beta_0 (v_0 - e^{g_0} S0^T k_0),   o_0 = e^{g_0} S0^T q_0 + (q_0 . k_0) Delta_0,
+
+    in fp32 FMAs (a single row makes no dot). Returns (Delta_0 [BV], 1 / |k_0|, g_0), what
+    the row blocks need to add its column."""
+    ks = tl.zeros([BV], dtype=tl.float32)
+    qs = tl.zeros([BV], dtype=tl.float32)
+    k_sq = tl.zeros([BKC], dtype=tl.float32)
+    q_sq = tl.zeros([BKC], dtype=tl.float32)
+    qk = tl.zeros([BKC], dtype=tl.float32)
+    for c in tl.static_range(BK // BKC):
+        ck = c * BKC + tl.arange(0, BKC)
+        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
+        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
+        q0 = tl.load(q + ck * stride_qk, mask=ck < K, other=0.0).to(tl.float32)
+        ks += tl.sum(k0[:, None] * s0, axis=0)
+        qs += tl.sum(q0[:, None] * s0, axis=0)
+        k_sq += k0 * k0
+        q_sq += q0 * q0
+        qk += q0 * k0
+    rk = 1.0 / tl.sqrt(tl.sum(k_sq) + 1e-6) if USE_L2 else tl.full([], 1.0, dtype=tl.float32)
+    rq = scale / tl.sqrt(tl.sum(q_sq) + 1e-6) if USE_L2 else tl.full([], scale, dtype=tl.float32)
+    g0 = tl.load(g).to(tl.float32)
+    e_g = tl.exp(g0)
+    v0 = tl.load(v + cv * stride_vv, mask=cv < V, other=0.0).to(tl.float32)
+    d0 = tl.load(beta).to(tl.float32) * (v0 - e_g * rk * ks)
+    tl.store(delta + cv, d0, mask=cv < V)
+    tl.store(o + cv, (e_g * rq * qs + rq * rk * tl.sum(qk) * d0).to(o.dtype.element_ty), mask=cv < V)
+    tl.store(gate_sum, g0.to(tl.float64))
+    if write_k:
+        for c in tl.static_range(BK // BKC):
+            ck = c * BKC + tl.arange(0, BKC)
+            k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
+            tl.store(k_normed + ck, k0 * rk, mask=ck < K)
+    return d0, rk, g0
+
+
+@triton.jit
+def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K,
+                  BK: tl.constexpr, BKC: tl.constexpr):
+    """(k_i . k_0, q_i . k_0) of ``rows``, raw (unnormalised): node 0's column of the peeled
+    tile kernel's A and P before the norms and the decay."""
+    k_k0 = tl.zeros(rows.shape, dtype=tl.float32)
+    q_k0 = tl.zeros(rows.shape, dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        ck = j * BKC + tl.arange(0, BKC)
+        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
+        b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
+        k_k0 += tl.sum(b_k.to(tl.float32) * k0[None, :], axis=1)
+        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+        q_k0 += tl.sum(b_q.to(tl.float32) * k0[None, :], axis=1)
+    return k_k0, q_k0
+
+
+@triton.jit
 def tile_row_block(
     q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
     stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
-    stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
-    r: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+    stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W, d0, rk0, g0,
+    r: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, PEEL: tl.constexpr, CB: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
+    PREC: tl.constexpr, LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
-    """Row block ``r`` of the tile kernel: its R rows from ``r * SB`` (pointers already
-    at the request and head); zeros when the request ends before it."""
+    """Row block ``r`` of the tile kernel: its R rows from ``PEEL + r * SB`` (pointers
+    already at the request and head); zeros when the request ends before it. PEEL: node
+    0 was solved by :func:`tile_root_row`, whose ``Delta_0``, ``1 / |k_0|`` and ``g_0``
+    (= G_0) enter as a one-row earlier block."""
     pos = tl.arange(0, R)
-    rows = r * SB + pos
-    if r * SB < n_b:
+    rows = PEEL + r * SB + pos
+    if PEEL + r * SB < n_b:
         live = rows < n_b
         # G in float64, kept as an fp32 (hi, lo) pair, so that G_i - G_j is accurate in fp32.
         g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
         tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
         gr_hi, gr_lo = fp32_pair(g_r)
+
+        if PEEL:  # before the state products, while few tiles are alive (sm_90 spills 648 -> 504 B)
+            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC)
 
         # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
         # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
@@ -347,15 +454,22 @@ def tile_row_block(
         b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
         rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
         b_o = (e_g * rq)[:, None] * qs
+        if PEEL:  # node 0's column: rhs_i -= A_i0 Delta_0, O_i += P_i0 Delta_0, masked to its
+            # descendants (in a forest the other rows never see it)
+            root = tl.zeros([1], dtype=tl.int32)
+            g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
+            decay = masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo, g_root, g_root * 0)
+            rhs -= ((b_beta * rk * rk0 * k_k0)[:, None] * decay) * d0[None, :]
+            b_o += ((rq * rk0 * q_k0)[:, None] * decay) * d0[None, :]
 
         # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
         # CB columns of A_rc and P_rc at a time, in one pass over K (whole [SB, SB] tiles in
         # two passes spilled 1.4x more on sm_90).
         for c in tl.static_range(r):
             for cb in tl.static_range(SB // CB):
-                cols = c * SB + cb * CB + tl.arange(0, CB)
+                cols = PEEL + c * SB + cb * CB + tl.arange(0, CB)
                 gc_hi, gc_lo = fp32_pair(tl.load(gate_sum + cols * HV))
-                lo, hi = word_halves(words, b * N, rows, c, W, n_b)
+                lo, hi = word_halves(words, b * N, rows, c, W, n_b, PEEL)
                 decay = masked_decay(word_bits(lo, hi, cb * CB + tl.arange(0, CB)), gr_hi, gr_lo, gc_hi, gc_lo)
                 kk = tl.zeros([R, CB], dtype=tl.float32)
                 qk = tl.zeros([R, CB], dtype=tl.float32)
@@ -372,7 +486,7 @@ def tile_row_block(
                 b_o += tl.dot(qk * (rq[:, None] * rkc[None, :]) * decay, d_c, input_precision=PREC)
 
         # The diagonal block: (I + A_rr) Delta_r = rhs_r, then O_r += P_rr Delta_r.
-        lo, hi = word_halves(words, b * N, rows, r, W, n_b)
+        lo, hi = word_halves(words, b * N, rows, r, W, n_b, PEEL)
         decay = masked_decay(word_bits(lo, hi, pos), gr_hi, gr_lo, gr_hi, gr_lo)
         kk = tl.zeros([R, R], dtype=tl.float32)
         for j in tl.static_range(BK // BKC):
@@ -422,9 +536,9 @@ def _verify_tile_kernel(
     stride_bb, stride_bn, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
     scale, N, HV, K, V, W,
-    GROUP: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, CB: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+    GROUP: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, PEEL: tl.constexpr, CB: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
+    PREC: tl.constexpr, LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -446,23 +560,31 @@ def _verify_tile_kernel(
     out = b * N * HV * V + hv * V
     o += out
     delta += out
-    # Block 0 holds rows 0 .. SB - 1, block 1 (SB2 > 0: trees past 64 nodes) the next SB2,
-    # sized to the batch's largest tree, not to 64. Block 0's rows are final once this
-    # program has stored them: block 1 reads back their G and Delta (other programs of
-    # the head write the same G, other V columns).
     write_k = (i_v == 0) & (hv % GROUP == 0)  # one program per key head stores the keys
+    # PEEL: node 0 first, as one recurrent step (any request's node 0 is a root), then the
+    # row blocks from node 1 with its column added: block 0 holds rows PEEL .. PEEL + SB - 1,
+    # block 1 (SB2 > 0: past 64 rows) the next SB2, sized to the batch's largest tree, not
+    # to 64. Block 0's rows are final once this program has stored them: block 1 reads back
+    # their G and Delta (other programs of the head write the same G, other V columns).
+    d0, rk0, g0 = None, None, None
+    if PEEL:
+        d0, rk0, g0 = tile_root_row(
+            q, k, v, g, beta, state, o, delta, gate_sum, k_normed,
+            stride_qk, stride_kk, stride_vv, stride_sk, stride_sv, scale, cv, write_k, K, V,
+            BK, BKC, BV, USE_L2,
+        )
     tile_row_block(
         q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
         stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
-        stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
-        0, SB, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+        stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W, d0, rk0, g0,
+        0, SB, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
     )
     if SB2 > 0:
         tile_row_block(
             q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
             stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
-            stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W,
-            1, SB2, SB, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+            stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W, d0, rk0, g0,
+            1, SB2, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
         )
 
 
@@ -708,7 +830,6 @@ def verify_triton(
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
     NP = dot_block(N)
-    SB = min(NP, MAX_SUPER_BLOCK)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
@@ -721,10 +842,12 @@ def verify_triton(
     lowp = q.element_size() == 2 and native
     split_s0 = q.dtype == torch.bfloat16 and precision != "tf32"
     kernel = kernel or default_verify_kernel(N, B * HV)
-    if kernel not in VERIFY_KERNELS or (kernel == "tile" and NP > TILE_MAX_NODES):
-        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} ('tile' only for N <= {TILE_MAX_NODES}), "
-                         f"got {kernel!r} at N = {N}")
-    if kernel == "tile":
+    if kernel not in VERIFY_KERNELS or not kernel_takes(kernel, N):
+        raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the tile kernels only for N <= "
+                         f"{TILE_MAX_NODES}), got {kernel!r} at N = {N}")
+    if kernel != "split":
+        peel = int(kernel == "peeled_tile")
+        first_rows, second_rows = tile_blocks(N - peel)
         BV, warps = default_tile_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
         _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
@@ -732,7 +855,7 @@ def verify_triton(
             o, delta, gate_sum, k_normed,
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
-            GROUP=HV // H, SB=SB, SB2=tile_second_block(N), CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
+            GROUP=HV // H, SB=first_rows, SB2=second_rows, PEEL=peel, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
             BKC=min(BK, K_CHUNK), BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
@@ -741,6 +864,7 @@ def verify_triton(
     # Workspace: only the blocks a request's own rows need are written and read.
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
+    SB = min(NP, MAX_SUPER_BLOCK)
     common = dict(GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
                   PREC=precision)
     _verify_prepare_kernel[(NP // SB, B * HV)](
