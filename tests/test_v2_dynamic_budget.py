@@ -47,6 +47,7 @@ from vllm_tfm.options import (
 from vllm_tfm.vllm_glue.commit import commit_gdn_records
 from vllm_tfm.vllm_glue.config import BATCH_SCHEDULE_KEY, batch_size_budgets
 from vllm_tfm.vllm_glue.tree_graphs import graphable
+from vllm_tfm.vllm_glue.v2 import model_state
 from vllm_tfm.vllm_glue.v2.model_state import TreeModelState, graphed_steps_by_length
 from vllm_tfm.vllm_glue.v2.speculator import round_budgets
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees, batch_tree_step
@@ -318,11 +319,20 @@ def _v2_decode_batch(gen, store: SlotTrees, k: int, num_reqs: int, slots: torch.
         positions=positions)
 
 
-def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen):
+def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkeypatch):
     seed = int(torch.randint(1 << 30, (1,), generator=gen))
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     state = _state()
+    # The model state commits K/V rows through V2's persistent forward block tables (one
+    # attention group here); commit_kv is recorded, its kernel is tests/test_tree_graphs'.
+    block_tables = torch.randint(1, 50, (8, 6), dtype=torch.int32, generator=gen)
+    state._input_block_tables = [block_tables]
+    state._attention_groups = [(0, ["model.layers.3.self_attn"])]
+    state.context = {}
+    kv_commits = []
+    monkeypatch.setattr(model_state, "commit_kv", lambda context, groups, table, step:
+                        kv_commits.append((table(0), step.meta, step.accepted_leaf)))
     layer = fake_gdn_layer(gen)
     conv_weight = torch.randn(CHANNELS, WIDTH, generator=gen) * 0.3
     num_slots = 8
@@ -373,7 +383,13 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen):
         print(f"step {number}: k {k}, {num_reqs} requests")
         assert torch.allclose(replayed[: num_reqs * nodes], eager_out, atol=1e-6, rtol=1e-5)
         leaf = torch.randint(nodes, (num_reqs,), generator=gen)
-        commit_gdn_records(step.gdn_records.values(), leaf)  # the bound step's cut records
+        step.accepted_leaf = leaf
+        state._commit(step)  # through the graph's buffers, cut to the step's requests
+        assert step.gdn_records == {}
+        table, meta, committed_leaf = kv_commits.pop()
+        assert table.data_ptr() == block_tables.data_ptr() and len(table) == num_reqs
+        assert meta.parents.data_ptr() == graph_step.meta.parents.data_ptr()
+        assert len(meta.parents) == num_reqs and torch.equal(committed_leaf, leaf)
         commit_gdn_records(eager.gdn_records.values(), leaf)
         assert torch.allclose(graph_ssm, eager_ssm, atol=1e-6, rtol=1e-5)
         assert torch.allclose(graph_conv, eager_conv, atol=1e-6, rtol=1e-5)
