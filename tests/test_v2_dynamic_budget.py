@@ -432,7 +432,7 @@ def test_greedy_verification_of_a_budget_k_step_is_greedy_decoding(gen, k):
     target = torch.full((num_reqs, tree.max_nodes, vocab), -3.0)
     target.scatter_(2, table[tree.tokens, positions][..., None], 3.0)
     target += 0.1 * torch.randn(target.shape, generator=gen)
-    result = verify_batch(tree, target, torch.zeros(num_reqs), torch.arange(num_reqs))
+    result = verify_batch(tree, target, np.zeros(num_reqs), torch.arange(num_reqs))
     out = sampled_tokens(result, 1 + max_budget)
     for r in range(num_reqs):
         count = int(result.accepted_len[r]) + 1

@@ -256,7 +256,7 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
     draws = 20000
     many = tree.select(torch.zeros(draws, dtype=torch.long))
     result = verify_batch(many, processed.expand(draws, -1, -1),
-                          torch.full((draws,), 0.8), torch.arange(draws) * 7919 + 11)
+                          np.full(draws, 0.8), torch.arange(draws) * 7919 + 11)
     seen: dict[tuple, int] = {}
     for out in result.output_tokens.tolist():
         key = tuple(t for t in out if t >= 0)
@@ -288,7 +288,7 @@ def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
     processed = process_node_rows(sampler, raw.flatten(0, 1).clone(),
                                   node_rows(tree, slots, prefix), slots,
                                   slots.numpy()).view_as(raw)
-    result = verify_batch(tree, processed, torch.zeros(3), torch.arange(3))
+    result = verify_batch(tree, processed, np.zeros(3), torch.arange(3))
     expected = _chain_reference(sampler, tree, raw, slots, prefix)
     for r in range(tree.batch_size):
         node, out = 0, []
@@ -360,7 +360,7 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
     stored = store.gather(slots)
     expected = verify_batch(
         stored, _chain_reference(sampler, stored, raw, slots, prefix),
-        sampler.sampling_states.temperature.gpu[slots],
+        sampler.sampling_states.temperature.np[slots.numpy()],
         step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix))
     assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)

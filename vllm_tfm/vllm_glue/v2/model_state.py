@@ -208,7 +208,7 @@ class TreeRejectionSampler:
             sampler, raw.flatten(0, 1), node_rows(tree, slots, step.prefix_lens), slots,
             slots_np).view_as(raw)
         sampling = sampler.sampling_states
-        result = verify_batch(tree, processed, sampling.temperature.gpu[slots],
+        result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
                               step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))
         step.accepted_leaf = result.accepted_leaf
         num_sampled, num_rejected = get_num_sampled_and_rejected(
