@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from host_reads import HostRead, no_host_reads
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 
@@ -385,3 +386,65 @@ def test_unknown_logits_processors_are_refused_by_name(v2):
     sampler.logits_processors.append(SimpleNamespace())
     with pytest.raises(ValueError, match="SimpleNamespace"):
         check_processors(sampler)
+
+
+
+def _greedy():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0)
+
+
+def _sampled_with_every_processor():
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3,
+                            presence_penalty=0.4, frequency_penalty=0.2, seed=3)
+    params._bad_words_token_ids = [[1, 2], [4]]
+    return params
+
+
+@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
+def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
+    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
+    device sync on CUDA) over a greedy batch, nor over a sampled one running every
+    processor of V2's sampler; its paths are the reference verifier's."""
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.trees import SlotTrees
+    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
+
+    def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill):
+        # V2's Triton kernel, for a batch of decodes (no prompt chunk among them).
+        return num_sampled, cu_num_logits.diff() - num_sampled
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected", num_sampled_and_rejected)
+    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:], params())
+    for r in range(tree.batch_size):  # drafts the target likes: paths get accepted
+        for j in range(1, int(tree.num_nodes[r])):
+            raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
+    rows, width = tree.tokens.shape
+    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
+    store.store(slots, tree)
+    step = SimpleNamespace(meta=SimpleNamespace(num_nodes=tree.num_nodes), prefix_lens=prefix,
+                           accepted_leaf=None)
+    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
+    cu = np.arange(rows + 1, dtype=np.int32) * width
+    batch = SimpleNamespace(
+        num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
+        cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu,
+        seq_lens=(prefix + width).to(torch.int32))
+    verify = model_state.TreeRejectionSampler(state, sampler)
+    with no_host_reads():
+        with pytest.raises(HostRead, match="__bool__"):
+            tree.validate()  # the guard is live
+        out = verify(raw.flatten(0, 1), batch)
+
+    states = sampler.sampling_states
+    expected = verify_batch(tree, _chain_reference(sampler, tree, raw, slots, prefix),
+                            states.temperature.np[slots.numpy()],
+                            step_seeds(states.seeds.gpu[slots], prefix))
+    assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
+    assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
