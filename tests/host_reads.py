@@ -87,3 +87,18 @@ def no_host_reads():
             stack.enter_context(mock.patch.object(
                 owner, name, _guarded(original, f"{owner.__name__}.{name}", reads)))
         yield
+
+
+def run_as_on_cuda(monkeypatch) -> None:
+    """Make the plugin's Triton ops take their CUDA path on CPU tensors: the kernels (in
+    Triton's interpreter) instead of the PyTorch fallbacks, which may read the host off
+    CUDA, and none of the value checks that CUDA skips (``triton_ops.utils.host_readable``)."""
+    from triton_ops.utils import host_readable, use_triton
+
+    for name, module in list(sys.modules.items()):
+        if name.split(".")[0] != "triton_ops":
+            continue
+        if getattr(module, "use_triton", None) is use_triton:
+            monkeypatch.setattr(module, "use_triton", lambda backend, like: backend != "torch")
+        if getattr(module, "host_readable", None) is host_readable:
+            monkeypatch.setattr(module, "host_readable", lambda tensor: False)

@@ -3,7 +3,8 @@ CPU: the plugin's rule as vLLM's ``num_speculative_tokens_per_batch_size`` and b
 (options.py, vllm_glue/config.py), the round budgets a schedule gives, the tree speculator
 drafting each step's k in the draft graphs of that k (vllm_glue/v2/speculator.py), the
 capture steps per query length 1 + k and steps of alternating k bound and committed as
-the eager steps of those budgets (v2/model_state.py), and greedy verification equal to
+the eager steps of those budgets (v2/model_state.py: through the graphs' buffers and V2's
+persistent block tables, with no host read), and greedy verification equal to
 greedy decoding whatever k a step drafts."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from host_reads import no_host_reads, run_as_on_cuda
 from test_tree_graphs import (
     CHANNELS,
     HV,
@@ -44,7 +46,7 @@ from vllm_tfm.options import (
     budget_table_from_schedule,
     default_budget_table,
 )
-from vllm_tfm.vllm_glue.commit import commit_gdn_records
+from vllm_tfm.vllm_glue.commit import commit_gdn_records, commit_kv
 from vllm_tfm.vllm_glue.config import BATCH_SCHEDULE_KEY, batch_size_budgets
 from vllm_tfm.vllm_glue.tree_graphs import graphable
 from vllm_tfm.vllm_glue.v2 import model_state
@@ -297,6 +299,14 @@ def test_a_full_capture_runs_the_capture_step_of_its_query_length():
         state._capture_step(SimpleNamespace(max_query_len=9, num_tokens_after_padding=18))
 
 
+def triton_attention_layer(kv_cache: torch.Tensor) -> SimpleNamespace:
+    """An attention layer of vLLM's TRITON_ATTN backend over ``kv_cache``
+    [blocks, kv_heads, block_size, 2 * head_size] (what commit_kv reads of it)."""
+    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "TRITON_ATTN"),
+                           impl=SimpleNamespace(head_size=kv_cache.shape[-1] // 2),
+                           kv_cache=kv_cache, layer_name="model.layers.3.self_attn")
+
+
 def _v2_decode_batch(gen, store: SlotTrees, k: int, num_reqs: int, slots: torch.Tensor):
     """A uniform V2 decode batch: ``num_reqs`` requests scoring trees of budget ``k``,
     drawn and kept in ``slots`` of ``store``."""
@@ -325,14 +335,27 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkey
     gen = torch.Generator().manual_seed(seed)
     state = _state()
     # The model state commits K/V rows through V2's persistent forward block tables (one
-    # attention group here); commit_kv is recorded, its kernel is tests/test_tree_graphs'.
-    block_tables = torch.randint(1, 50, (8, 6), dtype=torch.int32, generator=gen)
+    # attention group, one TRITON_ATTN layer here); each step's gather rewrites their rows.
+    block_tables = torch.zeros(8, 6, dtype=torch.int32)
     state._input_block_tables = [block_tables]
     state._attention_groups = [(0, ["model.layers.3.self_attn"])]
-    state.context = {}
+    kv_cache = torch.randn(50, 2, 16, 2 * 8, generator=gen)
+    eager_kv, initial_kv = kv_cache.clone(), kv_cache.clone()
+    state.context = {"model.layers.3.self_attn": triton_attention_layer(kv_cache)}
+    eager_context = {"model.layers.3.self_attn": triton_attention_layer(eager_kv)}
     kv_commits = []
-    monkeypatch.setattr(model_state, "commit_kv", lambda context, groups, table, step:
-                        kv_commits.append((table(0), step.meta, step.accepted_leaf)))
+
+    def read_block_table(context, groups, table, step):
+        kv_commits.append((table(0), step.meta, step.accepted_leaf))
+        commit_kv(context, groups, table, step)
+
+    monkeypatch.setattr(model_state, "commit_kv", read_block_table)
+    # The commits run their Triton kernels, whose launches read nothing back.
+    import triton_ops.gdn_tree.chunk  # noqa: F401
+    import triton_ops.tree_attention.kv_commit  # noqa: F401
+    import triton_ops.tree_conv.conv  # noqa: F401
+
+    run_as_on_cuda(monkeypatch)
     layer = fake_gdn_layer(gen)
     conv_weight = torch.randn(CHANNELS, WIDTH, generator=gen) * 0.3
     num_slots = 8
@@ -379,21 +402,28 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkey
         rewrite_like_a_replay(record, graph_step.gdn_records[layer.prefix])
         graph_step.gdn_records[layer.prefix] = record  # a replay rewrites, not rebinds
         eager = _eager_copy(step)
+        block_tables[:num_reqs] = torch.randint(1, 50, (num_reqs, 6), generator=gen)
         eager_out = gdn_forward(real, layer, eager, slots, conv_weight, eager_conv, eager_ssm)
         print(f"step {number}: k {k}, {num_reqs} requests")
         assert torch.allclose(replayed[: num_reqs * nodes], eager_out, atol=1e-6, rtol=1e-5)
         leaf = torch.randint(nodes, (num_reqs,), generator=gen)
         step.accepted_leaf = leaf
-        state._commit(step)  # through the graph's buffers, cut to the step's requests
+        with no_host_reads():  # through the graph's buffers, cut to the step's requests
+            state._commit(step)
         assert step.gdn_records == {}
         table, meta, committed_leaf = kv_commits.pop()
         assert table.data_ptr() == block_tables.data_ptr() and len(table) == num_reqs
         assert meta.parents.data_ptr() == graph_step.meta.parents.data_ptr()
         assert len(meta.parents) == num_reqs and torch.equal(committed_leaf, leaf)
         commit_gdn_records(eager.gdn_records.values(), leaf)
+        eager.accepted_leaf = leaf
+        commit_kv(eager_context, state._attention_groups,
+                  lambda gid: block_tables[:num_reqs].clone(), eager)
+        assert torch.equal(kv_cache, eager_kv)
         assert torch.allclose(graph_ssm, eager_ssm, atol=1e-6, rtol=1e-5)
         assert torch.allclose(graph_conv, eager_conv, atol=1e-6, rtol=1e-5)
         assert torch.equal(graph_ssm[NULL_SLOT], ssm_state[NULL_SLOT])
+    assert not torch.equal(kv_cache, initial_kv)  # accepted rows moved
     with pytest.raises(RuntimeError, match="of 9 nodes that was not captured"):
         batch = _v2_decode_batch(gen, store, 8, 2, torch.tensor([1, 2]))
         state._bind_graph(batch_tree_step(batch, store, WIDTH), padded)
