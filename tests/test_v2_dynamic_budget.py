@@ -52,7 +52,12 @@ from vllm_tfm.vllm_glue.tree_graphs import graphable
 from vllm_tfm.vllm_glue.v2 import model_state
 from vllm_tfm.vllm_glue.v2.model_state import TreeModelState, graphed_steps_by_length
 from vllm_tfm.vllm_glue.v2.speculator import round_budgets
-from vllm_tfm.vllm_glue.v2.trees import SlotTrees, batch_tree_step
+from vllm_tfm.vllm_glue.v2.trees import (
+    SlotTrees,
+    apply_tree_positions,
+    batch_tree_step,
+    restore_linear_positions,
+)
 from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, verify_batch
 
 MAX_SEQS = 300
@@ -385,9 +390,11 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkey
         nodes = 1 + k
         slots = torch.randperm(num_slots - 1, generator=gen)[:num_reqs] + 1
         batch = _v2_decode_batch(gen, store, k, num_reqs, slots)
-        step = batch_tree_step(batch, store, WIDTH)
+        with no_host_reads():  # prepare_attn's part: the step, its positions, the binding
+            step = batch_tree_step(batch, store, WIDTH)
+            apply_tree_positions(batch.positions, step)
+            state._bind_graph(step, padded)
         assert graphable(step, nodes) and step.meta.parents.shape == (num_reqs, nodes)
-        state._bind_graph(step, padded)
         graph_step, record = captured[k]
         assert step.graph_size == padded
         assert torch.equal(graph_step.meta.parents[:num_reqs], step.meta.parents)
@@ -410,6 +417,7 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkey
         step.accepted_leaf = leaf
         with no_host_reads():  # through the graph's buffers, cut to the step's requests
             state._commit(step)
+            restore_linear_positions(batch.positions, step)
         assert step.gdn_records == {}
         table, meta, committed_leaf = kv_commits.pop()
         assert table.data_ptr() == block_tables.data_ptr() and len(table) == num_reqs
