@@ -334,16 +334,11 @@ def test_path_logprobs_score_each_output_token_at_its_path_node(v2, gen, mode):
             assert int(out.selected_token_ranks[row]) == int((logits >= logits[token]).sum())
 
 
-def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
-        v2, gen, monkeypatch):
-    from vllm_tfm.vllm_glue.v2 import model_state
+def _tree_decode_step(tree, slots, prefix):
+    """(slot trees, step, model state, V2 input batch) of a decode step scoring every node
+    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads."""
     from vllm_tfm.vllm_glue.v2.trees import SlotTrees
-    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
 
-    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
-                        v2.input_batch.get_num_sampled_and_rejected)
-    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
-    sampler.sampling_states.num_logprobs[int(slots[1])] = 2
     rows, width = tree.tokens.shape
     store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
     store.store(slots, tree)
@@ -356,6 +351,20 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
         num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
         cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu,
         seq_lens=(prefix + width).to(torch.int32))
+    return store, step, state, batch
+
+
+def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
+        v2, gen, monkeypatch):
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
+                        v2.input_batch.get_num_sampled_and_rejected)
+    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
+    sampler.sampling_states.num_logprobs[int(slots[1])] = 2
+    rows, width = tree.tokens.shape
+    store, step, state, batch = _tree_decode_step(tree, slots, prefix)
     out = model_state.TreeRejectionSampler(state, sampler)(raw.flatten(0, 1), batch)
 
     stored = store.gather(slots)
@@ -410,7 +419,6 @@ def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypat
     device sync on CUDA) over a greedy batch, nor over a sampled one running every
     processor of V2's sampler; its paths are the reference verifier's."""
     from vllm_tfm.vllm_glue.v2 import model_state
-    from vllm_tfm.vllm_glue.v2.trees import SlotTrees
     from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
 
     def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill):
@@ -425,17 +433,7 @@ def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypat
     for r in range(tree.batch_size):  # drafts the target likes: paths get accepted
         for j in range(1, int(tree.num_nodes[r])):
             raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
-    rows, width = tree.tokens.shape
-    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
-    store.store(slots, tree)
-    step = SimpleNamespace(meta=SimpleNamespace(num_nodes=tree.num_nodes), prefix_lens=prefix,
-                           accepted_leaf=None)
-    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
-    cu = np.arange(rows + 1, dtype=np.int32) * width
-    batch = SimpleNamespace(
-        num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
-        cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu,
-        seq_lens=(prefix + width).to(torch.int32))
+    _, step, state, batch = _tree_decode_step(tree, slots, prefix)
     verify = model_state.TreeRejectionSampler(state, sampler)
     with no_host_reads():
         with pytest.raises(HostRead, match="__bool__"):
