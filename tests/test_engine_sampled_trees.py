@@ -10,6 +10,7 @@ against no speculation (tests/test_engine.py) runs the same path end to end.
 from dataclasses import replace
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,12 +53,12 @@ def test_each_request_takes_its_own_verifier(mode, gen):
     pools = CandidatePools(ids, torch.randn(R, D, P, generator=gen))
     roots = torch.randint(0, V, (R,), generator=gen)
     sampled = [False, True, False, True, False, True]
-    is_greedy = torch.tensor([True, False, False, False, True, False])
+    is_greedy = np.array([True, False, False, False, True, False])
     seeds = torch.arange(R, dtype=torch.int64) * 13 + 1
     tree = draft_trees_per_request("ddtree", roots, pools, budget, sampled, seeds + 5)
     logits = torch.randn(R, budget + 1, V, generator=gen, dtype=torch.float64).float()
     probs = torch.softmax(logits, -1)
-    result = verify_trees(tree, logits, logits, is_greedy, torch.tensor(sampled), seeds, mode)
+    result = verify_trees(tree, logits, logits, is_greedy, np.array(sampled), seeds, mode)
     plain = replace(tree, pool_ids=None, proposal_logq=None)
     deterministic = verify_traversal if mode == "traversal" else verify_target_only
     for r in range(R):

@@ -27,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from vllm_tfm.tiny.launch_counts import COMMIT_GRAPH_REPLAYS
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = [
@@ -98,3 +100,5 @@ def test_model_runner_v2_tree_steps_are_lossless(tmp_path, cudagraphs):
         assert row["sampled"]["tokens_per_s"] > 0, row["sampled"]
         if cudagraphs != "off":
             assert row["launches"].get("tree steps, graph mode FULL", 0) > 0, row["launches"]
+            # Their commits replay the commit graph of their (size, request count).
+            assert row["launches"].get(COMMIT_GRAPH_REPLAYS, 0) > 0, row["launches"]

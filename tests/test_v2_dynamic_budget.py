@@ -3,7 +3,8 @@ CPU: the plugin's rule as vLLM's ``num_speculative_tokens_per_batch_size`` and b
 (options.py, vllm_glue/config.py), the round budgets a schedule gives, the tree speculator
 drafting each step's k in the draft graphs of that k (vllm_glue/v2/speculator.py), the
 capture steps per query length 1 + k and steps of alternating k bound and committed as
-the eager steps of those budgets (v2/model_state.py), and greedy verification equal to
+the eager steps of those budgets (v2/model_state.py: through the graphs' buffers and V2's
+persistent block tables, with no host read), and greedy verification equal to
 greedy decoding whatever k a step drafts."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from host_reads import no_host_reads, run_as_on_cuda
 from test_tree_graphs import (
     CHANNELS,
     HV,
@@ -44,12 +46,18 @@ from vllm_tfm.options import (
     budget_table_from_schedule,
     default_budget_table,
 )
-from vllm_tfm.vllm_glue.commit import commit_gdn_records
+from vllm_tfm.vllm_glue.commit import commit_gdn_records, commit_kv
 from vllm_tfm.vllm_glue.config import BATCH_SCHEDULE_KEY, batch_size_budgets
 from vllm_tfm.vllm_glue.tree_graphs import graphable
+from vllm_tfm.vllm_glue.v2 import model_state
 from vllm_tfm.vllm_glue.v2.model_state import TreeModelState, graphed_steps_by_length
 from vllm_tfm.vllm_glue.v2.speculator import round_budgets
-from vllm_tfm.vllm_glue.v2.trees import SlotTrees, batch_tree_step
+from vllm_tfm.vllm_glue.v2.trees import (
+    SlotTrees,
+    apply_tree_positions,
+    batch_tree_step,
+    restore_linear_positions,
+)
 from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, verify_batch
 
 MAX_SEQS = 300
@@ -296,6 +304,14 @@ def test_a_full_capture_runs_the_capture_step_of_its_query_length():
         state._capture_step(SimpleNamespace(max_query_len=9, num_tokens_after_padding=18))
 
 
+def triton_attention_layer(kv_cache: torch.Tensor) -> SimpleNamespace:
+    """An attention layer of vLLM's TRITON_ATTN backend over ``kv_cache``
+    [blocks, kv_heads, block_size, 2 * head_size] (what commit_kv reads of it)."""
+    return SimpleNamespace(attn_backend=SimpleNamespace(get_name=lambda: "TRITON_ATTN"),
+                           impl=SimpleNamespace(head_size=kv_cache.shape[-1] // 2),
+                           kv_cache=kv_cache, layer_name="model.layers.3.self_attn")
+
+
 def _v2_decode_batch(gen, store: SlotTrees, k: int, num_reqs: int, slots: torch.Tensor):
     """A uniform V2 decode batch: ``num_reqs`` requests scoring trees of budget ``k``,
     drawn and kept in ``slots`` of ``store``."""
@@ -318,11 +334,33 @@ def _v2_decode_batch(gen, store: SlotTrees, k: int, num_reqs: int, slots: torch.
         positions=positions)
 
 
-def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen):
+def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen, monkeypatch):
     seed = int(torch.randint(1 << 30, (1,), generator=gen))
     print(f"seed {seed}")
     gen = torch.Generator().manual_seed(seed)
     state = _state()
+    # The model state commits K/V rows through V2's persistent forward block tables (one
+    # attention group, one TRITON_ATTN layer here); each step's gather rewrites their rows.
+    block_tables = torch.zeros(8, 6, dtype=torch.int32)
+    state._input_block_tables = [block_tables]
+    state._attention_groups = [(0, ["model.layers.3.self_attn"])]
+    kv_cache = torch.randn(50, 2, 16, 2 * 8, generator=gen)
+    eager_kv, initial_kv = kv_cache.clone(), kv_cache.clone()
+    state.context = {"model.layers.3.self_attn": triton_attention_layer(kv_cache)}
+    eager_context = {"model.layers.3.self_attn": triton_attention_layer(eager_kv)}
+    kv_commits = []
+
+    def read_block_table(context, groups, table, step):
+        kv_commits.append((table(0), step.meta, step.accepted_leaf))
+        commit_kv(context, groups, table, step)
+
+    monkeypatch.setattr(model_state, "commit_kv", read_block_table)
+    # The commits run their Triton kernels, whose launches read nothing back.
+    import triton_ops.gdn_tree.chunk  # noqa: F401
+    import triton_ops.tree_attention.kv_commit  # noqa: F401
+    import triton_ops.tree_conv.conv  # noqa: F401
+
+    run_as_on_cuda(monkeypatch)
     layer = fake_gdn_layer(gen)
     conv_weight = torch.randn(CHANNELS, WIDTH, generator=gen) * 0.3
     num_slots = 8
@@ -352,9 +390,11 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen):
         nodes = 1 + k
         slots = torch.randperm(num_slots - 1, generator=gen)[:num_reqs] + 1
         batch = _v2_decode_batch(gen, store, k, num_reqs, slots)
-        step = batch_tree_step(batch, store, WIDTH)
+        with no_host_reads():  # prepare_attn's part: the step, its positions, the binding
+            step = batch_tree_step(batch, store, WIDTH)
+            apply_tree_positions(batch.positions, step)
+            state._bind_graph(step, padded)
         assert graphable(step, nodes) and step.meta.parents.shape == (num_reqs, nodes)
-        state._bind_graph(step, padded)
         graph_step, record = captured[k]
         assert step.graph_size == padded
         assert torch.equal(graph_step.meta.parents[:num_reqs], step.meta.parents)
@@ -369,15 +409,29 @@ def test_steps_of_alternating_k_bind_and_commit_as_their_eager_steps(gen):
         rewrite_like_a_replay(record, graph_step.gdn_records[layer.prefix])
         graph_step.gdn_records[layer.prefix] = record  # a replay rewrites, not rebinds
         eager = _eager_copy(step)
+        block_tables[:num_reqs] = torch.randint(1, 50, (num_reqs, 6), generator=gen)
         eager_out = gdn_forward(real, layer, eager, slots, conv_weight, eager_conv, eager_ssm)
         print(f"step {number}: k {k}, {num_reqs} requests")
         assert torch.allclose(replayed[: num_reqs * nodes], eager_out, atol=1e-6, rtol=1e-5)
         leaf = torch.randint(nodes, (num_reqs,), generator=gen)
-        commit_gdn_records(step.gdn_records.values(), leaf)  # the bound step's cut records
+        step.accepted_leaf = leaf
+        with no_host_reads():  # through the graph's buffers, cut to the step's requests
+            state._commit(step)
+            restore_linear_positions(batch.positions, step)
+        assert step.gdn_records == {}
+        table, meta, committed_leaf = kv_commits.pop()
+        assert table.data_ptr() == block_tables.data_ptr() and len(table) == num_reqs
+        assert meta.parents.data_ptr() == graph_step.meta.parents.data_ptr()
+        assert len(meta.parents) == num_reqs and torch.equal(committed_leaf, leaf)
         commit_gdn_records(eager.gdn_records.values(), leaf)
+        eager.accepted_leaf = leaf
+        commit_kv(eager_context, state._attention_groups,
+                  lambda gid: block_tables[:num_reqs].clone(), eager)
+        assert torch.equal(kv_cache, eager_kv)
         assert torch.allclose(graph_ssm, eager_ssm, atol=1e-6, rtol=1e-5)
         assert torch.allclose(graph_conv, eager_conv, atol=1e-6, rtol=1e-5)
         assert torch.equal(graph_ssm[NULL_SLOT], ssm_state[NULL_SLOT])
+    assert not torch.equal(kv_cache, initial_kv)  # accepted rows moved
     with pytest.raises(RuntimeError, match="of 9 nodes that was not captured"):
         batch = _v2_decode_batch(gen, store, 8, 2, torch.tensor([1, 2]))
         state._bind_graph(batch_tree_step(batch, store, WIDTH), padded)
@@ -416,7 +470,7 @@ def test_greedy_verification_of_a_budget_k_step_is_greedy_decoding(gen, k):
     target = torch.full((num_reqs, tree.max_nodes, vocab), -3.0)
     target.scatter_(2, table[tree.tokens, positions][..., None], 3.0)
     target += 0.1 * torch.randn(target.shape, generator=gen)
-    result = verify_batch(tree, target, torch.zeros(num_reqs), torch.arange(num_reqs))
+    result = verify_batch(tree, target, np.zeros(num_reqs), torch.arange(num_reqs))
     out = sampled_tokens(result, 1 + max_budget)
     for r in range(num_reqs):
         count = int(result.accepted_len[r]) + 1

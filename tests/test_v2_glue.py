@@ -154,11 +154,11 @@ def test_verify_batch_greedy_is_the_greedy_verifier_and_sampled_rows_accept_path
     logits = torch.randn(4, tree.max_nodes, VOCAB, generator=generator)
     # Make some drafts the target's argmax so that paths get accepted.
     logits.scatter_(2, tree.tokens.roll(-1, 1)[..., None], 8.0)
-    greedy = verify_batch(tree, logits, torch.zeros(4), torch.arange(4))
+    greedy = verify_batch(tree, logits, np.zeros(4), torch.arange(4))
     expected = verify_greedy(tree, logits)
     assert torch.equal(greedy.accepted_leaf, expected.accepted_leaf)
     assert torch.equal(greedy.output_tokens, expected.output_tokens)
-    mixed = verify_batch(tree, logits, torch.tensor([0.0, 1.0, 0.0, 0.7]), torch.arange(4))
+    mixed = verify_batch(tree, logits, np.array([0.0, 1.0, 0.0, 0.7]), torch.arange(4))
     assert torch.equal(mixed.accepted_leaf[[0, 2]], expected.accepted_leaf[[0, 2]])
     tokens = sampled_tokens(mixed, tree.max_nodes)
     assert tokens.shape == (4, tree.max_nodes)

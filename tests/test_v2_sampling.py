@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from host_reads import HostRead, no_host_reads
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 
@@ -256,7 +257,7 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
     draws = 20000
     many = tree.select(torch.zeros(draws, dtype=torch.long))
     result = verify_batch(many, processed.expand(draws, -1, -1),
-                          torch.full((draws,), 0.8), torch.arange(draws) * 7919 + 11)
+                          np.full(draws, 0.8), torch.arange(draws) * 7919 + 11)
     seen: dict[tuple, int] = {}
     for out in result.output_tokens.tolist():
         key = tuple(t for t in out if t >= 0)
@@ -288,7 +289,7 @@ def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
     processed = process_node_rows(sampler, raw.flatten(0, 1).clone(),
                                   node_rows(tree, slots, prefix), slots,
                                   slots.numpy()).view_as(raw)
-    result = verify_batch(tree, processed, torch.zeros(3), torch.arange(3))
+    result = verify_batch(tree, processed, np.zeros(3), torch.arange(3))
     expected = _chain_reference(sampler, tree, raw, slots, prefix)
     for r in range(tree.batch_size):
         node, out = 0, []
@@ -333,16 +334,11 @@ def test_path_logprobs_score_each_output_token_at_its_path_node(v2, gen, mode):
             assert int(out.selected_token_ranks[row]) == int((logits >= logits[token]).sum())
 
 
-def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
-        v2, gen, monkeypatch):
-    from vllm_tfm.vllm_glue.v2 import model_state
+def _tree_decode_step(tree, slots, prefix):
+    """(slot trees, step, model state, V2 input batch) of a decode step scoring every node
+    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads."""
     from vllm_tfm.vllm_glue.v2.trees import SlotTrees
-    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
 
-    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
-                        v2.input_batch.get_num_sampled_and_rejected)
-    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
-    sampler.sampling_states.num_logprobs[int(slots[1])] = 2
     rows, width = tree.tokens.shape
     store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
     store.store(slots, tree)
@@ -355,12 +351,26 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
         num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
         cu_num_logits=torch.from_numpy(cu), cu_num_logits_np=cu,
         seq_lens=(prefix + width).to(torch.int32))
+    return store, step, state, batch
+
+
+def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
+        v2, gen, monkeypatch):
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
+                        v2.input_batch.get_num_sampled_and_rejected)
+    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
+    sampler.sampling_states.num_logprobs[int(slots[1])] = 2
+    rows, width = tree.tokens.shape
+    store, step, state, batch = _tree_decode_step(tree, slots, prefix)
     out = model_state.TreeRejectionSampler(state, sampler)(raw.flatten(0, 1), batch)
 
     stored = store.gather(slots)
     expected = verify_batch(
         stored, _chain_reference(sampler, stored, raw, slots, prefix),
-        sampler.sampling_states.temperature.gpu[slots],
+        sampler.sampling_states.temperature.np[slots.numpy()],
         step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix))
     assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
@@ -385,3 +395,54 @@ def test_unknown_logits_processors_are_refused_by_name(v2):
     sampler.logits_processors.append(SimpleNamespace())
     with pytest.raises(ValueError, match="SimpleNamespace"):
         check_processors(sampler)
+
+
+
+def _greedy():
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0)
+
+
+def _sampled_with_every_processor():
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.8, top_k=5, top_p=0.9, repetition_penalty=1.3,
+                            presence_penalty=0.4, frequency_penalty=0.2, seed=3)
+    params._bad_words_token_ids = [[1, 2], [4]]
+    return params
+
+
+@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
+def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
+    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
+    device sync on CUDA) over a greedy batch, nor over a sampled one running every
+    processor of V2's sampler; its paths are the reference verifier's."""
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
+
+    def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill):
+        # V2's Triton kernel, for a batch of decodes (no prompt chunk among them).
+        return num_sampled, cu_num_logits.diff() - num_sampled
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected", num_sampled_and_rejected)
+    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:], params())
+    for r in range(tree.batch_size):  # drafts the target likes: paths get accepted
+        for j in range(1, int(tree.num_nodes[r])):
+            raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
+    _, step, state, batch = _tree_decode_step(tree, slots, prefix)
+    verify = model_state.TreeRejectionSampler(state, sampler)
+    with no_host_reads():
+        with pytest.raises(HostRead, match="__bool__"):
+            tree.validate()  # the guard is live
+        out = verify(raw.flatten(0, 1), batch)
+
+    states = sampler.sampling_states
+    expected = verify_batch(tree, _chain_reference(sampler, tree, raw, slots, prefix),
+                            states.temperature.np[slots.numpy()],
+                            step_seeds(states.seeds.gpu[slots], prefix))
+    assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
+    assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()

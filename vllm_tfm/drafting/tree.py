@@ -303,7 +303,9 @@ def counter_uniform(
     Returns:
         [R, ...] float64, 53 random bits each.
     """
-    key = _mix64(seeds.long() ^ _mix64(torch.tensor(stream, dtype=torch.int64)).item())
+    # The stream's key is hashed on the seeds' device: no host read of a device value.
+    seeds = seeds.long()
+    key = _mix64(seeds ^ _mix64(torch.full_like(seeds, stream)))
     key = key.view(-1, *([1] * (counters.dim() - 1)))
     bits = _shift_right(_mix64(key + (counters.long() + 1) * _GOLDEN), 11)
     return (bits.double() + (0.5 if open_interval else 0.0)) * 2.0**-53

@@ -425,27 +425,23 @@ def _node_ids(tree: DraftTree) -> torch.Tensor:
 
 def _descend(tree: DraftTree, pick) -> VerifyResult:
     """Walk from the root: ``pick(node [R]) -> token [R]``; move to the child
-    holding that token, else stop with it as the bonus."""
+    holding that token, else stop with it as the bonus.
+
+    Each move matches the token against every node whose parent is the current one
+    (sibling tokens are distinct: at most one matches), rather than against a children
+    table, whose width is a host read."""
     R = tree.batch_size
     device = tree.tokens.device
-    children, _ = tree.children()
-    K = children.shape[2]
-    batch = torch.arange(R, device=device)
-    child_token = tree.tokens[batch[:, None, None], children.clamp(min=0)]
-    child_token = torch.where(children >= 0, child_token, -1)
+    parents = torch.where(tree.valid, tree.parents.long(), -1)
     node = torch.zeros(R, dtype=torch.int64, device=device)
     bonus = torch.zeros(R, dtype=torch.int64, device=device)
     done = torch.zeros(R, dtype=torch.bool, device=device)
     for _ in range(tree.max_depth + 1):
         token = pick(node)
         bonus = torch.where(done, bonus, token)
-        if K:
-            match = child_token[batch, node] == token[:, None]
-            found = match.any(-1) & ~done
-            step = children[batch, node].gather(1, match.long().argmax(-1, keepdim=True))[:, 0]
-            node = torch.where(found, step, node)
-        else:
-            found = torch.zeros_like(done)
+        match = (parents == node[:, None]) & (tree.tokens == token[:, None])
+        found = match.any(-1) & ~done
+        node = torch.where(found, match.long().argmax(-1), node)
         done = done | ~found
     return _finish(tree, node, bonus)
 

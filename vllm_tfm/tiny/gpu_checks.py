@@ -24,6 +24,7 @@ from vllm_tfm.tiny.launch_counts import (
     GDN_VERIFY_KERNELS,
     LAUNCHES,
     count_graph_dispatch,
+    count_graphed_commits,
     count_mixed_gdn_calls,
     count_project_kernel_launches,
     graph_summary,
@@ -282,6 +283,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     count_mixed_gdn_calls()
     count_graph_dispatch()
     count_v2_graph_dispatch()
+    count_graphed_commits()
     prompts = list(PROMPTS)
     if staggered:
         # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests

@@ -1,6 +1,7 @@
 """Counters for the GPU check (tools/gpu_e2e.py), patched onto vLLM and Triton in this
 process: launches of the project's Triton kernels, GDN calls that mix prompt and tree rows,
-and target forwards by the CUDA-graph mode vLLM dispatched (steps with trees and others).
+target forwards by the CUDA-graph mode vLLM dispatched (steps with trees and others), and
+the commits of FULL-graph steps (those replaying a commit graph among them).
 All counts accumulate in `LAUNCHES`.
 """
 
@@ -25,6 +26,8 @@ WEAVER_KERNELS = {"triton_ops.pool_logits.pool_logits._pool_logits_kernel": "poo
 
 LAUNCHES: collections.Counter = collections.Counter()
 MIXED_GDN = "GDN calls with prompt and tree rows"
+GRAPHED_COMMITS = "commits of FULL-graph steps"
+COMMIT_GRAPH_REPLAYS = "commits of FULL-graph steps replaying a commit graph"
 
 
 def count_project_kernel_launches() -> None:
@@ -56,6 +59,23 @@ def count_mixed_gdn_calls() -> None:
     cuda_gdn._forward_prompt_rows = forward_prompt_rows
 
 
+def count_graphed_commits() -> None:
+    """Count the commits of steps that replayed a FULL graph (either runner), and those
+    among them that replayed a commit graph captured by an earlier commit (a commit graph's
+    kernels are not counted as launches: a replay runs no ``JITFunction.run``)."""
+    from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
+
+    original = GraphedTreeSteps.commit
+
+    def commit(self, step, run):
+        LAUNCHES[GRAPHED_COMMITS] += 1
+        if self.has_commit_graph(step):
+            LAUNCHES[COMMIT_GRAPH_REPLAYS] += 1
+        return original(self, step, run)
+
+    GraphedTreeSteps.commit = commit
+
+
 def count_graph_dispatch() -> None:
     """Count target forwards by CUDA-graph mode, split into steps with and without trees."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -76,7 +96,8 @@ def count_graph_dispatch() -> None:
 
 def graph_summary(launches: dict) -> str:
     return ", ".join(f"{name} {count}" for name, count in sorted(launches.items())
-                     if " steps, graph mode " in name) or "-"
+                     if " steps, graph mode " in name
+                     or name in (GRAPHED_COMMITS, COMMIT_GRAPH_REPLAYS)) or "-"
 
 
 def missing_kernels(launches: dict, tree: str, staggered: bool) -> list[str]:

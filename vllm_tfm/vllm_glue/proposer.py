@@ -93,7 +93,7 @@ class TreeProposer(DFlashProposer):
         self.draft_depth = draft_depth(options.budget, options.draft_depth)
         self.trees: DraftTree | None = None
         # [B] bool on the host: the tree of row b has sampled children.
-        self._sampled_rows: torch.Tensor | None = None
+        self._sampled_rows: list[bool] | None = None
         self._tree_row: dict[str, int] = {}
         self._parents_cpu: np.ndarray | None = None
         self._target_hidden: torch.Tensor | None = None
@@ -181,12 +181,11 @@ class TreeProposer(DFlashProposer):
                          self.device)
         return self.trees.select(rows).truncate(num_nodes.to(self.device))
 
-    def scheduled_sampled(self, req_ids: list[str]) -> torch.Tensor:
-        """[R] bool on the host: the tree drafted for each of ``req_ids`` has sampled
-        children (False for requests drafted nothing for)."""
-        return torch.tensor([req_id in self._tree_row
-                             and bool(self._sampled_rows[self._tree_row[req_id]])
-                             for req_id in req_ids], dtype=torch.bool)
+    def scheduled_sampled(self, req_ids: list[str]) -> np.ndarray:
+        """[R] bool: the tree drafted for each of ``req_ids`` has sampled children (False
+        for requests drafted nothing for)."""
+        return np.array([req_id in self._tree_row and self._sampled_rows[self._tree_row[req_id]]
+                         for req_id in req_ids], dtype=bool)
 
     # -- drafting ---------------------------------------------------------------
 
@@ -225,7 +224,7 @@ class TreeProposer(DFlashProposer):
         budget = self.options.step_budget(batch)
         trees = self._shared_trees(next_token_ids.long(), sampled, seeds, budget)
         self.trees = trees
-        self._sampled_rows = torch.tensor(sampled, dtype=torch.bool)
+        self._sampled_rows = sampled
         self._tree_row = {
             req_id: row for row, req_id in enumerate(self.runner.input_batch.req_ids[:batch])
         }

@@ -158,6 +158,10 @@ class GraphedTreeSteps:
             cut = self._cut[key] = (meta, records)
         return cut
 
+    def has_commit_graph(self, step: TreeStep) -> bool:
+        """Whether :meth:`commit` of the bound ``step`` replays a captured commit graph."""
+        return (step.graph_size, len(step.req_ids)) in self._commit_graphs
+
     def commit(self, step: TreeStep, commit: Callable[[TreeStep], None]) -> None:
         """Commit a bound ``step`` (its accepted leaves set) by ``commit`` run over the
         buffers of its graph, so that the same launches serve every step of that size

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
@@ -51,6 +52,7 @@ from vllm_tfm.drafting.verifiers import (
 )
 from vllm_tfm.options import AUTO_SAMPLED_TREE_MIN_TEMPERATURE, SAMPLED_TREE_KINDS, TfmOptions
 from vllm_tfm.vllm_glue.thinking import tree_holder
+from vllm_tfm.vllm_glue.tree_step import to_device
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
 # Verifier of a sampled request whose tree is deterministic. Traversal has exactly
@@ -139,11 +141,10 @@ def apply_request_processing(node_logits: torch.Tensor, tree: DraftTree, samplin
     return flat.view(rows, width, vocab)
 
 
-def greedy_requests(sampling, num_reqs: int, device) -> torch.Tensor:
-    """[R] bool: the request decodes greedily (temperature 0)."""
-    if sampling.all_greedy:
-        return torch.ones(num_reqs, dtype=torch.bool, device=device)
-    return sampling.temperature[:num_reqs].to(device) < _GREEDY_TEMPERATURE_EPS
+def greedy_requests(input_batch, num_reqs: int) -> np.ndarray:
+    """[R] bool: the request decodes greedily (temperature 0), from V1's host copy of the
+    temperatures."""
+    return input_batch.temperature_cpu[:num_reqs] < _GREEDY_TEMPERATURE_EPS
 
 
 def sampled_tree_requests(options: TfmOptions, sampling, num_reqs: int) -> list[bool]:
@@ -177,10 +178,14 @@ def request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
     return seeds.to(device)
 
 
-def _merge(chosen: VerifyResult, other: VerifyResult, take: torch.Tensor) -> VerifyResult:
-    """Per request: ``chosen``'s result where ``take`` ([R] bool), else ``other``'s."""
+def _merge(chosen: VerifyResult, other: VerifyResult, take: np.ndarray) -> VerifyResult:
+    """Per request: ``chosen``'s result where ``take`` ([R] bool on the host), else
+    ``other``'s."""
+    if take.all():
+        return chosen
+    rows = to_device(take, chosen.accepted_leaf.device)
     pick = lambda a, b: torch.where(  # noqa: E731
-        take.view(-1, *([1] * (a.dim() - 1))), a, b
+        rows.view(-1, *([1] * (a.dim() - 1))), a, b
     )
     return VerifyResult(
         accepted_leaf=pick(chosen.accepted_leaf, other.accepted_leaf),
@@ -192,28 +197,32 @@ def _merge(chosen: VerifyResult, other: VerifyResult, take: torch.Tensor) -> Ver
 
 
 def verify_trees(
-    tree: DraftTree, logits: torch.Tensor, processed: torch.Tensor, is_greedy: torch.Tensor,
-    sampled_tree: torch.Tensor, seeds: torch.Tensor, mode: str,
+    tree: DraftTree, logits: torch.Tensor, processed: torch.Tensor, greedy: np.ndarray,
+    sampled_tree: np.ndarray, seeds: torch.Tensor, mode: str,
 ) -> VerifyResult:
     """Accept one path per request.
+
+    The verifiers are chosen from host state, so that choosing reads nothing back from
+    the device: a batch of greedy requests verifies without a host sync.
 
     Args:
         logits: [R, N, V] target logits per node after the request-level
             processing; processed: the same after temperature / top-k / top-p;
-            is_greedy: [R] bool; sampled_tree: [R] bool on the host, the
-            request's tree has sampled children (traversal verifies it; the
-            other sampled requests take ``mode``'s deterministic-tree verifier).
+            greedy: [R] bool on the host, the request decodes greedily;
+            sampled_tree: [R] bool on the host, the request's tree has sampled
+            children (traversal verifies it; the other sampled requests take
+            ``mode``'s deterministic-tree verifier).
     """
     result = verify_greedy(tree, logits, validate=False)
-    if bool(is_greedy.all()):
+    if greedy.all():
         return result
     probs = torch.softmax(processed.float(), dim=-1)
-    sampled_tree = sampled_tree.to(is_greedy.device) & ~is_greedy
-    if bool(sampled_tree.any()):
+    sampled_tree = sampled_tree & ~greedy
+    if sampled_tree.any():
         traversal = verify_traversal(tree, probs, seeds, validate=False)
         result = _merge(traversal, result, sampled_tree)
-    deterministic = ~is_greedy & ~sampled_tree
-    if bool(deterministic.any()):
+    deterministic = ~greedy & ~sampled_tree
+    if deterministic.any():
         # A batch holding sampled trees carries proposals on every row; these rows' trees
         # are deterministic and are verified as such.
         plain = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
@@ -235,7 +244,7 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     budgets = tree_holder(sampling)
     if budgets is not None:
         node_logits = budgets.force_tree_rows(node_logits, tree)
-    is_greedy = greedy_requests(sampling, num_reqs, raw.device)
+    greedy = greedy_requests(runner.input_batch, num_reqs)
     processed = node_logits
     if not sampling.all_greedy:
         width = node_logits.shape[1]
@@ -245,11 +254,11 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
             node_logits.flatten(0, 1).clone(), cu_rows, sampling
         ).view_as(node_logits)
     if options.verify == "greedy":
-        is_greedy = torch.ones_like(is_greedy)
+        greedy = np.ones(num_reqs, dtype=bool)
     seeds = request_seeds(sampling, num_reqs, raw.device)
     mode = "auto" if options.verify == "greedy" else options.verify
     sampled_tree = runner.drafter.scheduled_sampled(step.req_ids)
-    result = verify_trees(tree, node_logits, processed, is_greedy, sampled_tree, seeds, mode)
+    result = verify_trees(tree, node_logits, processed, greedy, sampled_tree, seeds, mode)
     step.accepted_leaf = result.accepted_leaf
     width = spec_metadata.max_spec_len + 1
     sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=raw.device)

@@ -12,7 +12,9 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
   (V2's sampling processing per node, tree verification, logprobs along the path);
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
-  conv states), restores the linear positions the drafter reads and pins
+  conv states; a step that replayed a FULL graph through that graph's buffers, captured
+  as a CUDA graph of its own per (size, request count), ``GraphedTreeSteps.commit``),
+  restores the linear positions the drafter reads and pins
   ``num_accepted_tokens`` to 1 (the committed state is in slot 0);
 - ``add_request``: a new request's slot holds no tree until it drafts one.
 """
@@ -64,10 +66,21 @@ class TreeModelState(MambaHybridModelState):
         self.graphs = graphed_steps_by_length(
             round_budgets(speculative, vllm_config.scheduler_config.max_num_seqs),
             self.conv_width, device)
-        self._block_tables: tuple[torch.Tensor, ...] = ()
         self._positions: torch.Tensor | None = None
+        # V2's persistent forward block tables (BlockTables.input_block_tables): each
+        # step's gather writes its rows there from row 0, in batch order, and nothing
+        # rewrites them before postprocess_state, so a commit graph over them reads the
+        # tables of every step that replays it.
+        self._input_block_tables: list[torch.Tensor] = []
         self._kv_cache_config = None
         self._attention_groups: list[tuple[int, list[str]]] | None = None
+
+    def initialize_kv_cache(self, kv_cache_config, block_tables) -> None:
+        super().initialize_kv_cache(kv_cache_config, block_tables)
+        # vLLM's memory profiling initialises a throwaway cache first: the last call holds.
+        self._input_block_tables = block_tables.input_block_tables
+        self._kv_cache_config = kv_cache_config
+        self._attention_groups = None
 
     def add_request(self, req_index, new_req_data) -> None:
         super().add_request(req_index, new_req_data)
@@ -90,9 +103,7 @@ class TreeModelState(MambaHybridModelState):
                     self._bind_graph(step, input_batch.num_reqs_after_padding)
                 engine.step = step
                 engine.slot.step = step
-                self._block_tables = block_tables
                 self._positions = input_batch.positions
-                self._kv_cache_config = kv_cache_config
         return super().prepare_attn(
             input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
             kv_cache_config, for_capture=for_capture, ubatch_idx=ubatch_idx,
@@ -142,14 +153,21 @@ class TreeModelState(MambaHybridModelState):
         super().postprocess_state(idx_mapping, 1, num_computed_tokens)
 
     def _commit(self, step) -> None:
+        if step.graph_size is None:
+            self._commit_caches(step)
+        else:  # a step that replayed a FULL graph commits through that graph's buffers
+            self.graphs[step.meta.max_nodes].commit(step, self._commit_caches)
+        step.gdn_records = {}
+
+    def _commit_caches(self, step) -> None:
+        """Advance the caches of ``step``'s requests along their accepted paths."""
         if self._attention_groups is None:  # the target's attention layers, found once
             self._attention_groups = attention_layers_by_group(
                 self._kv_cache_config, self.context, self.engine.draft_layer_names)
         num_reqs = len(step.req_ids)
         commit_kv(self.context, self._attention_groups,
-                  lambda gid: self._block_tables[gid][:num_reqs], step)
+                  lambda gid: self._input_block_tables[gid][:num_reqs], step)
         commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
-        step.gdn_records = {}
 
 
 def graphed_steps_by_length(budgets: tuple[int, ...], conv_width: int,
@@ -190,7 +208,7 @@ class TreeRejectionSampler:
             sampler, raw.flatten(0, 1), node_rows(tree, slots, step.prefix_lens), slots,
             slots_np).view_as(raw)
         sampling = sampler.sampling_states
-        result = verify_batch(tree, processed, sampling.temperature.gpu[slots],
+        result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
                               step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))
         step.accepted_leaf = result.accepted_leaf
         num_sampled, num_rejected = get_num_sampled_and_rejected(

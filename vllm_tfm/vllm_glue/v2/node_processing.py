@@ -111,10 +111,12 @@ def process_node_rows(sampler, logits: torch.Tensor, rows: NodeRows, idx_mapping
         pos=rows.positions, seq_lens_upper_bound_np=None)
     for processor in sampler.logits_processors:
         if isinstance(processor, PenaltiesState):
+            # V2 decides from its host state whether any request of the batch has one.
+            if not np.any(processor.use_penalty[idx_mapping_np]):
+                continue
             before = logits.gather(1, rows.paths.clamp(min=0))
             logits = processor.apply(logits, ctx)
-            if np.any(processor.use_penalty[idx_mapping_np]):
-                _penalise_path_tokens(logits, before, processor, rows)
+            _penalise_path_tokens(logits, before, processor, rows)
         elif isinstance(processor, BadWordsState):
             _ban_bad_words(logits, processor, rows, idx_mapping_np)
         else:  # LogitBiasState (check_processors admits nothing else)
@@ -144,8 +146,14 @@ def _penalise_path_tokens(logits: torch.Tensor, before: torch.Tensor, state,
     value = before * torch.where(before > 0, 1.0 / scale, scale)
     value = value - state.frequency_penalty.gpu[slots] * counts
     value = value - state.presence_penalty.gpu[slots] * (counts > 0)
-    row = torch.arange(paths.shape[0], device=paths.device).view(-1, 1).expand_as(paths)
-    logits[row[on_path], tokens[on_path]] = value[on_path]
+    # One scatter, no mask index (a host sync on CUDA): a token repeated on a path gets
+    # the same value at each of its columns, and the columns past the path (paths are
+    # newest first) rewrite the node's own token with its value, or with what the row
+    # holds already where there is no path (a root).
+    has_path = on_path[:, :1]
+    columns = torch.where(on_path, tokens, tokens[:, :1])
+    own = torch.where(has_path, value[:, :1], logits.gather(1, tokens[:, :1]))
+    logits.scatter_(1, columns, torch.where(on_path, value, own))
 
 
 def _ban_bad_words(logits: torch.Tensor, state, rows: NodeRows,
@@ -172,12 +180,13 @@ def _ban_bad_words(logits: torch.Tensor, state, rows: NodeRows,
     words = state.bad_word_token_ids.gpu[slots]
     offsets = state.bad_word_offsets.gpu[slots].long()
     count = state.num_bad_words.gpu[slots].long()
-    row = torch.arange(slots.shape[0], device=slots.device)
     for word in range(num_words):
         start, end = offsets[:, word : word + 1], offsets[:, word + 1 : word + 2]
         prefix = end - start - 1
         expected = words.gather(1, (end - 2 - newest).clamp(min=0)).long()
         matched = ((newest >= prefix) | (expected == history)).all(1)
         matched &= (word < count) & (prefix <= output_len + depth).view(-1)
-        last = words.gather(1, (end - 1).clamp(min=0)).view(-1).long()
-        logits[row[matched], last[matched]] = float("-inf")
+        last = words.gather(1, (end - 1).clamp(min=0)).long()
+        # A scatter over every row (unmatched rows keep their value): no mask index.
+        kept = logits.gather(1, last)
+        logits.scatter_(1, last, torch.where(matched.view(-1, 1), float("-inf"), kept))

@@ -41,14 +41,14 @@ def step_seeds(request_seeds: torch.Tensor, prefix_lens: torch.Tensor) -> torch.
     return request_seeds.long() + prefix_lens.long() * _SEED_STRIDE
 
 
-def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: torch.Tensor,
+def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: np.ndarray,
                  seeds: torch.Tensor) -> VerifyResult:
     """Accept one path per request of ``tree`` ([R, N]) against ``processed`` [R, N, V], the
-    node logits after V2's sampling processing (temperature included; temperature [R],
-    0 = greedy: the argmax of the processed row, as V2's chain verifier takes it)."""
-    is_greedy = temperature < _GREEDY_TEMPERATURE_EPS
-    no_sampled_trees = torch.zeros_like(is_greedy, device="cpu")
-    return verify_trees(tree, processed, processed, is_greedy, no_sampled_trees, seeds,
+    node logits after V2's sampling processing (temperature included; ``temperature`` [R]
+    on the host, V2's ``SamplingStates.temperature.np`` of the batch's slots, 0 = greedy:
+    the argmax of the processed row, as V2's chain verifier takes it)."""
+    greedy = temperature < _GREEDY_TEMPERATURE_EPS
+    return verify_trees(tree, processed, processed, greedy, np.zeros_like(greedy), seeds,
                         "target_only")
 
 
