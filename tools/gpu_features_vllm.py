@@ -1,11 +1,14 @@
 """Feature generation with the continuations decoded by vLLM against transformers' own
-decoding, on a CUDA GPU inside vLLM 0.33's Python code (issue 20, item 1). One call checks,
-then times, then prints a table. On the H200 (device call carrying [".gpu-v033s",
-".gpu-fla"]: the 0.33.0 payload whose Triton cache holds vLLM's kernels at 27B shapes;
-.gpu-vllm-0.33.0, the same with the tiny models' cache, compiles a minute or two more):
+decoding, on a CUDA GPU inside vLLM 0.33's Python code (issue 20, item 1). It checks, then
+times, then prints a table. On the H200 (device call carrying [".gpu-vllm-0.33.0",
+".gpu-fla"]: the 0.33.0 payload, and ``.gpu-fla/fla.tgz``, the venv's fla packages as one
+tarball, 3.7 MB against 17 MB unpacked, so that both fit in one call's carry):
 
-    bash .gpu-v033s/setup.sh > /dev/null && \\
-        PYTHONPATH=/tmp/vsrc:/tmp/site:$PWD/.gpu-fla:$PWD python3 tools/gpu_features_vllm.py --out $OUT
+    tar -czf .gpu-fla/fla.tgz -C .venv/lib/python3.11/site-packages fla \
+        fla_core-0.6.0.dist-info flash_linear_attention-0.6.0.dist-info      # here, once
+    bash .gpu-vllm-0.33.0/setup.sh > /dev/null && mkdir -p /tmp/fla && \
+        tar -xzf .gpu-fla/fla.tgz -C /tmp/fla && PYTHONPATH=/tmp/vsrc:/tmp/site:/tmp/fla:$PWD \
+        python3 tools/gpu_features_vllm.py --out $OUT --parts check       # then --parts timing
 
 1. Check: a model of Qwen3.6-27B's layer widths (`bench_training.QWEN36_27B_TARGET` cut to
    4 layers = 3 GDN + 1 attention, MLP width 4096, vocabulary 32768; seeded random bf16
@@ -22,7 +25,9 @@ then times, then prints a table. On the H200 (device call carrying [".gpu-v033s"
    after vLLM is freed.
 
 Writes OUT/<stage>.log per stage and OUT/features_vllm.{json,md}. Exit status 1 when the
-check failed. About 5-6 minutes on a fresh machine.
+check failed. On a fresh machine the whole tool runs past one device call (2026-12-04: the
+first vLLM check stage alone took over 200 s, most of it fla's autotuning in the feature
+forward): run ``--parts check`` and ``--parts timing`` as two calls (~6 and ~5 minutes).
 """
 
 from __future__ import annotations
@@ -116,6 +121,29 @@ def check(work: Path, model_dir: Path) -> dict:
             "states_finite": finite}
 
 
+def run_check(work: Path, out: Path, stages: dict, left) -> dict:
+    """Step 1: the check model through both engines (up to 300 s each: a fresh machine
+    compiles vLLM's and fla's kernels in the first), then their comparison."""
+    import gc
+
+    import torch
+
+    model_dir = work / "check_model"
+    build_check_model(model_dir)
+    for engine in ENGINES:
+        stages[f"check_{engine}"] = run_stage(
+            f"check_{engine}", [sys.executable, "-m", "vllm_tfm.training.generate_features",
+                                "--engine", engine, "--target", str(model_dir),
+                                "--out", str(work / f"check_{engine}"), *CHECK_ARGS],
+            out, min(300, left()))
+    if not all(stages[f"check_{engine}"]["rc"] == 0 for engine in ENGINES):
+        return {"ok": False, "error": "a check run failed: see its log"}
+    result = check(work, model_dir)
+    gc.collect()  # the check's target (its hooks make it a reference cycle)
+    torch.cuda.empty_cache()
+    return result
+
+
 def table(results: dict) -> str:
     lines = ["| engine | whole run | tokens/s (whole) | engine start | decoding | decoded "
              "tokens/s | feature forward | GPU GiB free after vLLM |", "|---" * 8 + "|"]
@@ -139,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/features_vllm")
     parser.add_argument("--deadline-s", type=float, default=560.0,
                         help="stop starting stages past this many seconds")
+    parser.add_argument("--parts", choices=("all", "check", "timing"), default="all",
+                        help="the check (step 1), the timing (step 2), or both")
     args = parser.parse_args(argv)
     from vllm_tfm.tiny.gpu_checks import set_harness_env
 
@@ -155,28 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     def left() -> float:
         return args.deadline_s - (time.perf_counter() - started)
 
-    model_dir = work / "check_model"
-    build_check_model(model_dir)
-    stages = {}
-    for engine in ENGINES:
-        stages[f"check_{engine}"] = run_stage(
-            f"check_{engine}", [sys.executable, "-m", "vllm_tfm.training.generate_features",
-                                "--engine", engine, "--target", str(model_dir),
-                                "--out", str(work / f"check_{engine}"), *CHECK_ARGS],
-            out, min(200, left()))
-    results: dict = {"stages": stages, "new_tokens": BENCH_NEW_TOKENS}
-    if all(stage["rc"] == 0 for stage in stages.values()):
-        results["check"] = check(work, model_dir)
-    else:
-        results["check"] = {"ok": False, "error": "a check run failed: see its log"}
-    print(f"check: {json.dumps(results['check'])}", flush=True)
-    import gc
-
-    import torch
-
-    gc.collect()  # the check's target (its hooks make it a reference cycle)
-    torch.cuda.empty_cache()
-    for engine in ENGINES:
+    stages: dict = {}
+    results: dict = {"stages": stages, "new_tokens": BENCH_NEW_TOKENS,
+                     "check": {"ok": None, "error": "not run (--parts timing)"}}
+    if args.parts != "timing":
+        results["check"] = run_check(work, out, stages, left)
+        print(f"check: {json.dumps(results['check'])}", flush=True)
+    for engine in ENGINES if args.parts != "check" else ():
         if left() < 60:
             stages[engine] = "deadline"
             continue
@@ -193,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "features_vllm.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "features_vllm.md").write_text(text)
     print(text, flush=True)
-    return 0 if results["check"]["ok"] else 1
+    return 0 if results["check"]["ok"] is not False else 1
 
 
 if __name__ == "__main__":
