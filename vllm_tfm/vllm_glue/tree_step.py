@@ -211,10 +211,13 @@ class TreeStep:
         key = torch.where(valid, key, 3 * N + node)
         ranked = torch.argsort(key, dim=1, stable=True)
         sources = torch.gather(self.token_rows, 1, ranked)
-        targets = self.token_rows
-        mask = valid
-        order[targets[mask]] = sources[mask]
-        return order
+        # Scattered, not mask-indexed (a mask index reads its count on the host: on V2 the
+        # drafter's step would wait for the target here): padding nodes write into one
+        # extra slot, dropped.
+        targets = torch.where(valid, self.token_rows.long(), total)
+        order = torch.cat([order, order.new_zeros(1)])
+        order.scatter_(0, targets.flatten(), sources.long().flatten())
+        return order[:total]
 
 
 def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.ndarray,
