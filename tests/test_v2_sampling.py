@@ -180,11 +180,11 @@ def _chain_reference(sampler, tree, raw, slots, prefix):
 @pytest.mark.parametrize("num_reqs", [1, 3, 5])
 @pytest.mark.parametrize("case", range(3))
 def test_node_rows_equal_v2s_processing_of_each_nodes_path(v2, gen, num_reqs, case):
-    from vllm_tfm.vllm_glue.v2.node_processing import node_rows, process_node_rows
+    from vllm_tfm.vllm_glue.v2.node_processing import process_node_rows
 
     sampler, _, slots, tree, raw, prefix = _batch(v2, gen, num_reqs)
-    rows = node_rows(tree, slots, prefix)
-    ours = process_node_rows(sampler, raw.flatten(0, 1).clone(), rows, slots, slots.numpy())
+    ours = process_node_rows(sampler, raw.flatten(0, 1).clone(), tree, prefix, slots,
+                             slots.numpy())
     expected = _chain_reference(sampler, tree, raw, slots, prefix)
     ours = ours.view_as(raw)
     assert not ours.isnan().any()
@@ -208,14 +208,13 @@ def test_path_tokens_list_each_nodes_drafts_newest_first():
 def test_a_batch_needing_no_processing_keeps_its_logits(v2, gen):
     from vllm import SamplingParams
 
-    from vllm_tfm.vllm_glue.v2.node_processing import node_rows, process_node_rows
+    from vllm_tfm.vllm_glue.v2.node_processing import process_node_rows
 
     sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 2)
     for slot in slots.tolist():
         _add(sampler, requests, slot, [1, 2], [3], SamplingParams(temperature=1.0, top_k=-1))
     flat = raw.flatten(0, 1)
-    assert process_node_rows(sampler, flat, node_rows(tree, slots, prefix), slots,
-                             slots.numpy()) is flat
+    assert process_node_rows(sampler, flat, tree, prefix, slots, slots.numpy()) is flat
 
 
 def _law_of_target_only(tree, probs, row=0):
@@ -239,7 +238,7 @@ def _law_of_target_only(tree, probs, row=0):
 def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
     from vllm import SamplingParams
 
-    from vllm_tfm.vllm_glue.v2.node_processing import node_rows, process_node_rows
+    from vllm_tfm.vllm_glue.v2.node_processing import process_node_rows
     from vllm_tfm.vllm_glue.v2.verify import verify_batch
 
     sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 1, budget=4, depth=2)
@@ -249,8 +248,7 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
     _add(sampler, requests, slot, history[:2], history[2:],
          SamplingParams(temperature=0.8, top_k=6, top_p=0.9, repetition_penalty=1.4,
                         presence_penalty=0.5, seed=5))
-    processed = process_node_rows(sampler, raw.flatten(0, 1).clone(),
-                                  node_rows(tree, slots, prefix), slots,
+    processed = process_node_rows(sampler, raw.flatten(0, 1).clone(), tree, prefix, slots,
                                   slots.numpy()).view_as(raw)
     exact = _law_of_target_only(
         tree, torch.softmax(_chain_reference(sampler, tree, raw, slots, prefix)[0].double(), -1))
@@ -270,7 +268,7 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
 def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
     from vllm import SamplingParams
 
-    from vllm_tfm.vllm_glue.v2.node_processing import node_rows, process_node_rows
+    from vllm_tfm.vllm_glue.v2.node_processing import process_node_rows
     from vllm_tfm.vllm_glue.v2.verify import verify_batch
 
     sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 3)
@@ -286,8 +284,7 @@ def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
         for j in range(1, int(tree.num_nodes[r])):
             raw[r, tree.parents[r, j], tree.tokens[r, j]] += 8.0 + j
             raw[r, j, tree.tokens[r, j]] += 16.0
-    processed = process_node_rows(sampler, raw.flatten(0, 1).clone(),
-                                  node_rows(tree, slots, prefix), slots,
+    processed = process_node_rows(sampler, raw.flatten(0, 1).clone(), tree, prefix, slots,
                                   slots.numpy()).view_as(raw)
     result = verify_batch(tree, processed, np.zeros(3), torch.arange(3))
     expected = _chain_reference(sampler, tree, raw, slots, prefix)

@@ -38,7 +38,7 @@ from vllm_tfm.vllm_glue.commit import (
 )
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps
 from vllm_tfm.vllm_glue.v2.engine import find_engine
-from vllm_tfm.vllm_glue.v2.node_processing import check_processors, node_rows, process_node_rows
+from vllm_tfm.vllm_glue.v2.node_processing import check_processors, process_node_rows
 from vllm_tfm.vllm_glue.v2.speculator import round_budgets
 from vllm_tfm.vllm_glue.v2.trees import (
     apply_tree_positions,
@@ -205,8 +205,7 @@ class TreeRejectionSampler:
         raw = node_logits(logits.float(), input_batch.cu_num_logits, step.meta.num_nodes,
                           tree.max_nodes)
         processed = process_node_rows(
-            sampler, raw.flatten(0, 1), node_rows(tree, slots, step.prefix_lens), slots,
-            slots_np).view_as(raw)
+            sampler, raw.flatten(0, 1), tree, step.prefix_lens, slots, slots_np).view_as(raw)
         sampling = sampler.sampling_states
         result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
                               step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))

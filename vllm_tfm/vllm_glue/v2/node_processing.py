@@ -88,10 +88,12 @@ def check_processors(sampler) -> None:
             "engine's logits_processors or run model runner V1 (VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
-def process_node_rows(sampler, logits: torch.Tensor, rows: NodeRows, idx_mapping: torch.Tensor,
-                      idx_mapping_np: np.ndarray) -> torch.Tensor:
-    """[M, V] the node rows ``logits`` after V2's sampling processing (the same tensor when
-    no request of the batch needs any, as V2 returns it; else a new float32 one).
+def process_node_rows(sampler, logits: torch.Tensor, tree: DraftTree, prefix_lens: torch.Tensor,
+                      idx_mapping: torch.Tensor, idx_mapping_np: np.ndarray) -> torch.Tensor:
+    """[M, V] the node rows ``logits`` of ``tree`` ([R, W], M = R * W; roots at positions
+    ``prefix_lens`` [R]) after V2's sampling processing: the same tensor when no request of
+    the batch needs any, as V2 returns it (its node rows are then not even built: a
+    greedy batch launches nothing here), else a new float32 one.
 
     ``sampler``: V2's Sampler; ``idx_mapping`` [R] / ``idx_mapping_np`` the batch's slots.
     """
@@ -101,6 +103,7 @@ def process_node_rows(sampler, logits: torch.Tensor, rows: NodeRows, idx_mapping
 
     if not np.any(sampler.needs_logits_processing[idx_mapping_np]):
         return logits
+    rows = node_rows(tree, idx_mapping, prefix_lens)
     logits = logits.float().clone()
     ctx = LogitsContext(
         expanded_idx_mapping=rows.slots, idx_mapping=idx_mapping,
