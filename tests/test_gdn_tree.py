@@ -125,6 +125,8 @@ TRITON_CASES = [
     (3, 100, 2, 6, 16, 32, ["bushy", "forest", "star"]),
     (1, 127, 1, 3, 24, 16, ["random"]),
     (2, 128, 1, 2, 32, 16, ["chain", "random"]),
+    # Past the tile kernels: the split's 256-row workspace, 128 rows peeled (two blocks).
+    (2, 129, 1, 3, 32, 32, ["chain", "star"]),
 ]
 
 
@@ -170,14 +172,14 @@ def test_triton_verify_and_commit_match_naive(case, kernel, poisoned_outputs, ge
     assert torch.equal(new_pool[untouched], pool[untouched])
 
 
-@pytest.mark.parametrize("N", [128, 80, 65])
-@pytest.mark.parametrize("kernel", kernels_for(128))
+@pytest.mark.parametrize("N, kernel", [(N, kernel) for N in (129, 128, 80, 65) for kernel in kernels_for(N)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_outputs, gen, monkeypatch):
     """Requests of N, 65, 64, 17 and 1 nodes in one batch: some end inside the
     first row block, some one node into the second (64 rows at N = 128, 16 at N =
     80 for the tile kernel; none at N = 65 peeled), whose padding blocks the kernels skip
-    (the peeled kernel's second block starts one node later); every real node
+    (the peeled kernels' blocks start one node later: at N = 129 the peeled split's
+    two 64-row blocks hold every node but the root); every real node
     still matches, every padding row is zero. With bf16 inputs the committed fp32
     state still holds fp32 accuracy (the state products split the state in bf16 parts)."""
     use_kernel(monkeypatch, kernel)
@@ -258,20 +260,27 @@ def test_tile_second_block_rows():
 
 
 def test_default_verify_kernel_weighs_nodes_and_batch():
-    """A tile kernel up to 80 nodes while the batch is small, peeled where node 0 alone
-    spills into a larger block (the engine's root + power-of-two budget trees), the split
-    past either."""
+    """A tile kernel up to 80 nodes while the batch is small, the split past either; each
+    peeled where node 0 alone spills into a larger block (the engine's root + power-of-two
+    budget trees)."""
     heads = chunk_triton.SPLIT_MIN_HEADS
     assert chunk_triton.default_verify_kernel(16, 48) == "tile"
     assert chunk_triton.default_verify_kernel(64, 48) == "tile"
     for N in (17, 33, 65):  # budgets 16, 32, 64
         assert chunk_triton.default_verify_kernel(N, 48) == "peeled_tile", N
-        assert chunk_triton.default_verify_kernel(N, heads) == "split", N
+        assert chunk_triton.default_verify_kernel(N, heads) == "peeled_split", N
     assert chunk_triton.default_verify_kernel(66, 48) == "tile"  # 65 rows after the root: no block saved
+    assert chunk_triton.default_verify_kernel(66, heads) == "split"
     assert chunk_triton.default_verify_kernel(80, heads - 1) == "tile"
     assert chunk_triton.default_verify_kernel(81, 48) == "split"
     assert chunk_triton.default_verify_kernel(128, 48) == "split"
+    assert chunk_triton.default_verify_kernel(129, 48) == "peeled_split"
     assert chunk_triton.default_verify_kernel(64, heads) == "split"
+
+
+def test_peel_shrinks_split_at_a_root_and_a_power_of_two():
+    shrinking = [N for N in range(1, 600) if chunk_triton.peel_shrinks_split(N)]
+    assert shrinking == [17, 33, 65, 129, 257, 513]
 
 
 def test_unknown_verify_kernel_raises(gen):
@@ -322,7 +331,7 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
 
 @pytest.mark.parametrize("N", [40, 65, 96])
 @pytest.mark.parametrize(
-    "backend, kernel", [("torch", None), ("triton", "tile"), ("triton", "peeled_tile"), ("triton", "split")]
+    "backend, kernel", [("torch", None)] + [("triton", kernel) for kernel in chunk_triton.VERIFY_KERNELS]
 )
 def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen, monkeypatch):
     if kernel is not None:
@@ -344,9 +353,9 @@ def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen
         assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL
 
 
-@pytest.mark.parametrize("kernel", ["peeled_tile", "tile"])
+@pytest.mark.parametrize("kernel", chunk_triton.VERIFY_KERNELS)
 def test_node_0_reaches_only_its_own_tree(kernel, poisoned_outputs, gen, monkeypatch):
-    """The peeled kernel adds node 0's column under the ancestor mask, so a forest needs no
+    """The peeled kernels add node 0's column under the ancestor mask, so a forest needs no
     other path: here node 0 is a lone root and a 64-node chain (the rows after it fill one
     block exactly) starts at node 1; node 0's decay of 3000 nats would overflow in any
     unmasked exp(G_i - G_0)."""

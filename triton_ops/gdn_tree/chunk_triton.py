@@ -42,6 +42,12 @@ head, which wins at large batches:
 The workspace ``solve`` holds ``T_rr = (I + A_rr)^{-1} diag(beta_r)`` on its diagonal
 blocks and ``A_rc / beta_r`` below them, ``scores`` holds ``P_rc`` (``c <= r``).
 
+Peeled split (the same two kernels, PEEL = 1): the workspace covers nodes 1 .. N - 1,
+NP = dot_block(N - 1); the output kernel solves node 0 first with the peeled tile
+kernel's recurrent step and adds its column to every row block, as the peeled tile
+kernel does. At 65 nodes the workspace shrinks from 128 to 64 rows
+(``peel_shrinks_split``).
+
 Inside a block, ``(I + A_rr)^{-1}`` is formed from its 16x16 diagonal blocks,
 inverted row by row in plain fp32 (stable for repeated keys, where powers of A
 explode), merged by forward substitution over the 16-row blocks. Every verify
@@ -90,8 +96,11 @@ TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
 # Largest node count the dispatch sends to a tile kernel: one block plus a 16-row block
 # (tile_second_block); past it the 64-row second block loses to the split (below).
 TILE_DISPATCH_MAX_NODES = MAX_SUPER_BLOCK + 16
-# "peeled_tile": the tile kernel with node 0 solved first, as one recurrent step.
-VERIFY_KERNELS = ("tile", "peeled_tile", "split")
+# "peeled_tile", "peeled_split": the tile kernel and the split with node 0 solved first, as
+# one recurrent step.
+VERIFY_KERNELS = ("tile", "peeled_tile", "split", "peeled_split")
+TILE_KERNELS = ("tile", "peeled_tile")
+PEELED_KERNELS = ("peeled_tile", "peeled_split")
 # (request, value head) pairs, B * HV, from which the split runs instead of the tile
 # kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
 # device calls" and "Stop 15 device calls"; bf16 inputs, HV = 48, K = V = 128, us per
@@ -108,23 +117,27 @@ VERIFY_KERNELS = ("tile", "peeled_tile", "split")
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
 # 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
 # heads (B = 8), 65..80 nodes at B > 1, the peeled tile kernel at any batch
-# (``tools/bench_kernels.py --kernels tile,peeled_tile,split``).
+# (``tools/bench_kernels.py --kernels tile,peeled_tile,split``), the peeled split at any
+# shape (``--kernels split,peeled_split``).
 SPLIT_MIN_HEADS = 512
 
 
 def default_verify_kernel(N: int, heads: int) -> str:
     """The verify kernel for N nodes and B * HV heads: a tile kernel for small batches of
-    up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), peeled where that
-    shrinks its row blocks (:func:`peel_shrinks_tile`); the split otherwise."""
+    up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), the split otherwise;
+    each peeled where that shrinks its row blocks (:func:`peel_shrinks_tile`,
+    :func:`peel_shrinks_split`). The peeled split is not measured on the GPU yet: the pick
+    rests on the row count (65 nodes, the engine's tree at batch 16 or 32: 64 workspace rows
+    instead of 128, against one extra recurrent step per program)."""
     if N > TILE_DISPATCH_MAX_NODES or heads >= SPLIT_MIN_HEADS:
-        return "split"
+        return "peeled_split" if peel_shrinks_split(N) else "split"
     return "peeled_tile" if peel_shrinks_tile(N) else "tile"
 
 
 def kernel_takes(kernel: str, N: int) -> bool:
     """Whether verify kernel ``kernel`` takes trees of N nodes (the tile kernels: two row
     blocks of at most MAX_SUPER_BLOCK rows)."""
-    return kernel == "split" or N <= TILE_MAX_NODES
+    return kernel not in TILE_KERNELS or N <= TILE_MAX_NODES
 
 
 def tile_blocks(rows: int) -> tuple[int, int]:
@@ -138,6 +151,13 @@ def peel_shrinks_tile(N: int) -> bool:
     budget). At 65 nodes it drops the 16-row second block (H200, Qwen3.6-27B shapes, B = 1:
     64 nodes 31-32 us, 65 unpeeled 50 us); at 17 and 33 it halves the one block."""
     return N > 1 and tile_blocks(N - 1) != tile_blocks(N)
+
+
+def peel_shrinks_split(N: int) -> bool:
+    """Whether solving node 0 first shrinks the split's workspace side NP = dot_block(rows)
+    for the other N - 1 nodes: N = 2^k + 1 from 17 up (65 nodes: 128 -> 64 rows, a quarter of
+    the workspace and half the row blocks)."""
+    return N > 1 and dot_block(N - 1) != dot_block(N)
 
 
 def tile_second_block(N: int) -> int:
@@ -348,7 +368,7 @@ def tile_root_row(
     stride_qk, stride_kk, stride_vv, stride_sk, stride_sv, scale, cv, write_k, K, V,
     BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
 ):
-    """Node 0 of the peeled tile kernel (pointers at the request and head): a root (its
+    """Node 0 of the peeled kernels (pointers at the request and head): a root (its
     parent index is below 0), so one recurrent step from S0 gives its row,
 
         Delta_0 = beta_0 (v_0 - e^{g_0} S0^T k_0),   o_0 = e^{g_0} S0^T q_0 + (q_0 . k_0) Delta_0,
@@ -391,7 +411,7 @@ def tile_root_row(
 def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K,
                   BK: tl.constexpr, BKC: tl.constexpr):
     """(k_i . k_0, q_i . k_0) of ``rows``, raw (unnormalised): node 0's column of the peeled
-    tile kernel's A and P before the norms and the decay."""
+    kernels' A and P before the norms and the decay."""
     k_k0 = tl.zeros(rows.shape, dtype=tl.float32)
     q_k0 = tl.zeros(rows.shape, dtype=tl.float32)
     for j in tl.static_range(BK // BKC):
@@ -402,6 +422,21 @@ def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K
         b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
         q_k0 += tl.sum(b_q.to(tl.float32) * k0[None, :], axis=1)
     return k_k0, q_k0
+
+
+@triton.jit
+def add_root_column(rhs, b_o, d0, a_scale, p_scale, g0, words, row_base, rows, W, n_b, gr_hi, gr_lo):
+    """``rhs - A_i0 Delta_0`` and ``b_o + P_i0 Delta_0`` for ``rows`` of a peeled kernel: node
+    0's column, masked to its descendants (in a forest the other rows never see it).
+    ``a_scale`` and ``p_scale`` are A_i0 and P_i0 before the decay (the norms, and beta where
+    ``rhs`` carries it, applied to :func:`root_products`): the split's ``rhs`` is U, before
+    beta, so it passes A_i0 / beta_i."""
+    root = tl.zeros([1], dtype=tl.int32)
+    g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
+    decay = masked_decay(ancestor_bits(words, row_base, rows, root, W, n_b), gr_hi, gr_lo, g_root, g_root * 0)
+    rhs -= (a_scale[:, None] * decay) * d0[None, :]
+    b_o += (p_scale[:, None] * decay) * d0[None, :]
+    return rhs, b_o
 
 
 @triton.jit
@@ -454,13 +489,9 @@ def tile_row_block(
         b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
         rhs = b_beta[:, None] * (b_v - (e_g * rk)[:, None] * ks)
         b_o = (e_g * rq)[:, None] * qs
-        if PEEL:  # node 0's column: rhs_i -= A_i0 Delta_0, O_i += P_i0 Delta_0, masked to its
-            # descendants (in a forest the other rows never see it)
-            root = tl.zeros([1], dtype=tl.int32)
-            g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
-            decay = masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo, g_root, g_root * 0)
-            rhs -= ((b_beta * rk * rk0 * k_k0)[:, None] * decay) * d0[None, :]
-            b_o += ((rq * rk0 * q_k0)[:, None] * decay) * d0[None, :]
+        if PEEL:
+            rhs, b_o = add_root_column(rhs, b_o, d0, b_beta * rk * rk0 * k_k0, rq * rk0 * q_k0, g0,
+                                       words, b * N, rows, W, n_b, gr_hi, gr_lo)
 
         # Earlier blocks c < r (trees past 64 nodes): rhs_r -= A_rc Delta_c, O_r += P_rc Delta_c,
         # CB columns of A_rc and P_rc at a time, in one pass over K (whole [SB, SB] tiles in
@@ -597,8 +628,8 @@ def _verify_prepare_kernel(
     stride_gb, stride_gn, stride_gh,
     stride_bb, stride_bn, stride_bh,
     scale, N, HV, K, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
+    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, PEEL: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
 ):
     i_r = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -607,7 +638,10 @@ def _verify_prepare_kernel(
     h = hv // GROUP
     H = HV // GROUP
     n_b = tl.load(num_nodes + b)
-    rows = i_r * SB + tl.arange(0, SB)
+    # PEEL: the workspace holds nodes 1 .. N - 1 (node 0 is the output kernel's recurrent
+    # step), so workspace position p is node PEEL + p.
+    pos = i_r * SB + tl.arange(0, SB)
+    rows = PEEL + pos
     q += b * stride_qb + h * stride_qh
     k += b * stride_kb + h * stride_kh
     g += b * stride_gb + hv * stride_gh
@@ -633,11 +667,12 @@ def _verify_prepare_kernel(
                 k_f32 * rk[:, None], mask=(rows[:, None] < N) & (ck_store[None, :] < K),
             )
 
-    if i_r * SB < n_b:
+    if PEEL + i_r * SB < n_b:
         b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
         # Earlier blocks c < r: A_rc / beta_r and P_rc (only trees past SB nodes).
         for c in range(0, i_r):
-            cols = c * SB + tl.arange(0, SB)
+            cols_pos = c * SB + tl.arange(0, SB)
+            cols = PEEL + cols_pos
             kk = tl.zeros([SB, SB], dtype=tl.float32)
             qk = tl.zeros([SB, SB], dtype=tl.float32)
             q_sq = tl.zeros([SB], dtype=tl.float32)
@@ -655,7 +690,7 @@ def _verify_prepare_kernel(
             rkc = 1.0 / tl.sqrt(kc_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
             gc_hi, gc_lo = fp32_pair(path_sums(g, stride_gn, words, b * N, cols, n_b, W, BT))
             decay = masked_decay(ancestor_bits(words, b * N, rows, cols, W, n_b), gr_hi, gr_lo, gc_hi, gc_lo)
-            at = rows[:, None] * NP + cols[None, :]
+            at = pos[:, None] * NP + cols_pos[None, :]
             tl.store(solve + at, kk * (rk[:, None] * rkc[None, :]) * decay)
             tl.store(scores + at, qk * (rq[:, None] * rkc[None, :]) * decay)
 
@@ -667,8 +702,7 @@ def _verify_prepare_kernel(
             kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
         strict = rows[:, None] > rows[None, :]
         a = tl.where(strict, kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-        at = rows[:, None] * NP + rows[None, :]
-        pos = tl.arange(0, SB)
+        at = pos[:, None] * NP + pos[None, :]
         eye = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
         tl.store(solve + at, block_forward_solve(a, eye, SB, BT, PREC) * b_beta[None, :])
         qk = tl.zeros([SB, SB], dtype=tl.float32)
@@ -685,14 +719,15 @@ def _verify_prepare_kernel(
 
 @triton.jit
 def _verify_output_kernel(
-    q, k, v, state, slots, num_nodes,
-    gate_sum, solve, scores, o, delta,
+    q, k, v, g, beta, state, slots, words, num_nodes,
+    gate_sum, k_normed, solve, scores, o, delta,
     stride_qb, stride_qn, stride_qh, stride_qk,
     stride_kb, stride_kn, stride_kh, stride_kk,
     stride_vb, stride_vn, stride_vh, stride_vv,
+    stride_gb, stride_gh, stride_bb, stride_bh,
     stride_ss, stride_sh, stride_sk, stride_sv,
-    scale, N, HV, K, V,
-    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, BK: tl.constexpr,
+    scale, N, HV, K, V, W,
+    GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, PEEL: tl.constexpr, BK: tl.constexpr,
     BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
     SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
@@ -701,22 +736,38 @@ def _verify_output_kernel(
     b = (i_bh // HV).to(tl.int64)
     hv = i_bh % HV
     h = hv // GROUP
+    H = HV // GROUP
     n_b = tl.load(num_nodes + b)
     slot = tl.load(slots + b).to(tl.int64)
     cv = i_v * BV + tl.arange(0, BV)
     q += b * stride_qb + h * stride_qh
     k += b * stride_kb + h * stride_kh
     v += b * stride_vb + hv * stride_vh
+    g += b * stride_gb + hv * stride_gh
+    beta += b * stride_bb + hv * stride_bh
     state += slot * stride_ss + hv * stride_sh
     gate_sum += b * N * HV + hv
+    k_normed += b * N * H * K + h * K
     solve += i_bh.to(tl.int64) * NP * NP
     scores += i_bh.to(tl.int64) * NP * NP
     out = b * N * HV * V + hv * V
     o += out
     delta += out
 
-    for r in range(0, tl.cdiv(n_b, SB)):
-        rows = r * SB + tl.arange(0, SB)
+    # PEEL: node 0 as one recurrent step (G_0 and its normalised key stored here, not by
+    # the prepare kernel); the workspace's rows are nodes 1 .. N - 1, which add its column.
+    d0, rk0, g0 = None, None, None
+    if PEEL:
+        d0, rk0, g0 = tile_root_row(
+            q, k, v, g, beta, state, o, delta, gate_sum, k_normed,
+            stride_qk, stride_kk, stride_vv, stride_sk, stride_sv, scale, cv,
+            (i_v == 0) & (hv % GROUP == 0), K, V, BK, BKC, BV, USE_L2,
+        )
+    for r in range(0, tl.cdiv(n_b - PEEL, SB)):
+        pos = r * SB + tl.arange(0, SB)
+        rows = PEEL + pos
+        if PEEL:  # before the state products, while few tiles are alive (tile_row_block's spills)
+            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC)
         ks = tl.zeros([SB, BV], dtype=tl.float32)
         qs = tl.zeros([SB, BV], dtype=tl.float32)
         k_sq = tl.zeros([SB], dtype=tl.float32)
@@ -733,16 +784,21 @@ def _verify_output_kernel(
             q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
         rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
         rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([SB], scale, dtype=tl.float32)
-        e_g = tl.exp(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0).to(tl.float32))
+        gr_hi, gr_lo = fp32_pair(tl.load(gate_sum + rows * HV, mask=rows < n_b, other=0.0))
+        e_g = tl.exp(gr_hi)
         u = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V) - (e_g * rk)[:, None] * ks
         b_o = (e_g * rq)[:, None] * qs
+        if PEEL:  # u is V - e^G K S0 before beta (the workspace's T_rr applies it)
+            u, b_o = add_root_column(u, b_o, d0, rk * rk0 * k_k0, rq * rk0 * q_k0, g0,
+                                     words, b * N, rows, W, n_b, gr_hi, gr_lo)
         for c in range(0, r):
-            cols = c * SB + tl.arange(0, SB)
-            at = rows[:, None] * NP + cols[None, :]
+            cols_pos = c * SB + tl.arange(0, SB)
+            cols = PEEL + cols_pos
+            at = pos[:, None] * NP + cols_pos[None, :]
             d_c = load_rows(delta, cols, cv, HV * V, 1, N, V)
             u -= tl.dot(tl.load(solve + at), d_c, input_precision=PREC)
             b_o += tl.dot(tl.load(scores + at), d_c, input_precision=PREC)
-        at = rows[:, None] * NP + rows[None, :]
+        at = pos[:, None] * NP + pos[None, :]
         d = tl.dot(tl.load(solve + at), u, input_precision=PREC)
         b_o += tl.dot(tl.load(scores + at), d, input_precision=PREC)
         out_mask = (rows[:, None] < N) & (cv[None, :] < V)
@@ -753,8 +809,8 @@ def _verify_output_kernel(
 
     # Row blocks past the last real node: zeros, as documented for padding.
     zeros = tl.zeros([SB, BV], dtype=tl.float32)
-    for r in range(tl.cdiv(n_b, SB), tl.cdiv(N, SB)):
-        rows = r * SB + tl.arange(0, SB)
+    for r in range(tl.cdiv(n_b - PEEL, SB), tl.cdiv(N - PEEL, SB)):
+        rows = PEEL + r * SB + tl.arange(0, SB)
         out_mask = (rows[:, None] < N) & (cv[None, :] < V)
         tl.store(delta + rows[:, None] * HV * V + cv[None, :], zeros, mask=out_mask)
         tl.store(o + rows[:, None] * HV * V + cv[None, :], zeros.to(o.dtype.element_ty), mask=out_mask)
@@ -829,7 +885,6 @@ def verify_triton(
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
-    NP = dot_block(N)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
@@ -845,8 +900,8 @@ def verify_triton(
     if kernel not in VERIFY_KERNELS or not kernel_takes(kernel, N):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the tile kernels only for N <= "
                          f"{TILE_MAX_NODES}), got {kernel!r} at N = {N}")
-    if kernel != "split":
-        peel = int(kernel == "peeled_tile")
+    peel = int(kernel in PEELED_KERNELS)
+    if kernel in TILE_KERNELS:
         first_rows, second_rows = tile_blocks(N - peel)
         BV, warps = default_tile_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
@@ -862,10 +917,11 @@ def verify_triton(
         )
         return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     # Workspace: only the blocks a request's own rows need are written and read.
+    NP = dot_block(N - peel)
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     SB = min(NP, MAX_SUPER_BLOCK)
-    common = dict(GROUP=HV // H, NP=NP, SB=SB, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
+    common = dict(GROUP=HV // H, NP=NP, SB=SB, PEEL=peel, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
                   PREC=precision)
     _verify_prepare_kernel[(NP // SB, B * HV)](
         q, k, g, beta, words, meta.num_nodes,
@@ -877,10 +933,11 @@ def verify_triton(
     BV, warps = default_output_config(B * HV, V)
     BV = max(MIN_BLOCK_V, block_v or BV)
     _verify_output_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, ssm_state, state_slots, meta.num_nodes,
-        gate_sum, solve, scores, o, delta,
-        *q.stride(), *k.stride(), *v.stride(), *ssm_state.stride(),
-        scale, N, HV, K, V,
+        q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
+        gate_sum, k_normed, solve, scores, o, delta,
+        *q.stride(), *k.stride(), *v.stride(), g.stride(0), g.stride(2), beta.stride(0), beta.stride(2),
+        *ssm_state.stride(),
+        scale, N, HV, K, V, words.shape[-1],
         BV=BV, SPLIT_S0=split_s0, NATIVE=native, num_warps=num_warps or warps, **common,
     )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
