@@ -500,7 +500,9 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                         log(f"  profiled {shapes.steps} steps of that cell: {path}")
             session.close()
     finally:
-        del llm
+        # The session holds the engine too: both go before the cleanup, or the next
+        # engine starts beside this one's memory.
+        del llm, session
         import gc
 
         gc.collect()
