@@ -192,3 +192,61 @@ def test_phase_timer_refuses_an_unknown_runner():
 
     with pytest.raises(ValueError, match=r"runner must be one of \['v1', 'v2'\], got 'v3'"):
         install(_FakeRunner(), "v3")
+
+
+class _FakeGraphManager:
+    def __init__(self, mode):
+        from types import SimpleNamespace
+
+        self.descriptor = SimpleNamespace(cg_mode=SimpleNamespace(name=mode))
+
+    def dispatch(self, num_tokens):
+        return self.descriptor
+
+
+class _FakeV2Runner:
+    """Model runner V2's shape: the forward inside execute_model, one graph manager for the
+    target, the speculator's per k (the one of the step's k also its query manager)."""
+
+    def __init__(self, draft_mode):
+        from types import SimpleNamespace
+
+        self.device = SimpleNamespace(type="cpu")
+        self.cudagraph_manager = _FakeGraphManager("FULL")
+        draft_graphs = {16: _FakeGraphManager(draft_mode), 64: _FakeGraphManager(draft_mode)}
+        self.speculator = SimpleNamespace(
+            draft_graphs=draft_graphs, query_cudagraph_manager=draft_graphs[64],
+            propose=lambda: self.speculator.query_cudagraph_manager.dispatch(16))
+
+    def execute_model(self, scheduler_output):
+        self.cudagraph_manager.dispatch(scheduler_output.total_num_scheduled_tokens)
+
+    def sample(self):
+        pass
+
+    def postprocess_sampled(self):
+        pass
+
+    def sample_tokens(self, grammar_output):
+        self.sample()
+        self.postprocess_sampled()
+        return self.speculator.propose()
+
+
+@pytest.mark.parametrize("draft_mode", ["FULL", "NONE"])
+def test_v2_steps_record_the_graph_mode_of_the_target_and_the_drafter(draft_mode):
+    from vllm_tfm.benchmarks.step_phases import graph_managers, install
+
+    runner = _FakeV2Runner(draft_mode)
+    assert [len(m) for m in graph_managers(runner).values()] == [1, 2]  # 64's counted once
+    timer = install(runner, "v2")
+    timer.recording = True
+    for _ in range(3):
+        runner.execute_model(_scheduler_output({"a": [5]}, {"a": 2}))
+        runner.sample_tokens(None)
+    runner.execute_model(_scheduler_output({}, {"b": 4}, new=["b"]))  # a prompt, no draft
+    runner.sample_tokens(None)
+    rows = timer.collect()
+    decode = [row for row in rows if row["decode"]]
+    assert speed.graph_dispatch(decode) == f"drafting {draft_mode} 3/3, target FULL 3/3"
+    assert speed.graph_dispatch([{"graphs": []}]) is None  # V1 records none

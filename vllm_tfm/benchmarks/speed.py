@@ -28,6 +28,7 @@ trained tiny family's ``eval_acceptance`` numbers.
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import json
@@ -360,7 +361,17 @@ def measure_cell(session: Session, steps: int) -> dict:
         cell[name] = statistics.median(r[name] for r in decode) if decode else None
     if decode:
         cell["rest"] = cell["period_ms"] - sum(cell[name] for name in PHASES)
+    cell["graphs"] = graph_dispatch(decode)
     return cell
+
+
+def graph_dispatch(steps: list[dict]) -> str | None:
+    """How many of ``steps`` dispatched each (role, CUDA-graph mode), e.g. "drafting FULL
+    10/10, target FULL 10/10" (None where the runner records none: V1): a cell whose steps
+    ran eagerly is not the graphed step time it would otherwise be read as."""
+    modes = collections.Counter(label for step in steps for label in step["graphs"])
+    return ", ".join(f"{label} {count}/{len(steps)}"
+                     for label, count in sorted(modes.items())) or None
 
 
 def profile_cell(session: Session, steps: int, path: Path) -> None:
@@ -601,8 +612,9 @@ def batch_label(row: dict) -> str:
 def step_table(rows: list[dict]) -> str:
     lines = ["| context | batch | configuration | period ms | x plain step | drafting | "
              "target fwd | verify+commit | rest | tok/s paper tau 4 | x plain | x chain "
-             "| tok/s paper tau 5 | x chain | tok/s ours | x plain | x chain |",
-             "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| tok/s paper tau 5 | x chain | tok/s ours | x plain | x chain "
+             "| graph dispatch (decode steps) |",
+             "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
     for row in rows:
         lines.append(
             f"| {row['context']} | {batch_label(row)} | {label(row)} | {_f(row['period_ms'])} "
@@ -611,7 +623,8 @@ def step_table(rows: list[dict]) -> str:
             f"| {_f(row['tok_s paper-4'], '.1f')} | {_f(row['x_plain paper-4'])} "
             f"| {_f(row['x_chain paper-4'])} | {_f(row['tok_s paper-5'], '.1f')} "
             f"| {_f(row['x_chain paper-5'])} | {_f(row['tok_s ours'], '.1f')} "
-            f"| {_f(row['x_plain ours'])} | {_f(row['x_chain ours'])} |")
+            f"| {_f(row['x_plain ours'])} | {_f(row['x_chain ours'])} "
+            f"| {row.get('graphs') or '-'} |")
     return "\n".join(lines)
 
 

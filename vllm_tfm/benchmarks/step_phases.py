@@ -16,6 +16,10 @@ them up:
 The step itself runs from ``execute_model`` to the end of ``sample_tokens``; what of it no
 phase covers (input preparation, metadata, host work between launches) is the rest, which
 the benchmark takes against the step's wall period (``speed.py``).
+
+On model runner V2 each step also records the CUDA-graph mode its target forward and its
+drafter were dispatched to (the ``dispatch`` of the runner's and the speculator's graph
+managers), so that a step time measured without its graphs says so.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class PhaseTimer:
             count == 1 + len(spec.get(req_id, ())) for req_id, count in scheduled.items())
         self._open = {"num_reqs": len(scheduled), "decode": decode,
                       "tokens": scheduler_output.total_num_scheduled_tokens,
-                      "start": self._mark(), "phases": []}
+                      "start": self._mark(), "phases": [], "graphs": set()}
 
     def step_finished(self) -> None:
         if self._open is not None:
@@ -95,10 +99,15 @@ class PhaseTimer:
         finally:
             step["phases"].append((name, start, self._mark()))
 
+    def graph(self, role: str, descriptor) -> None:
+        """Note that the open step's ``role`` ran in ``descriptor``'s CUDA-graph mode."""
+        if self._open is not None:
+            self._open["graphs"].add(f"{role} {descriptor.cg_mode.name}")
+
     def collect(self) -> list[dict]:
         """The finished steps since the last call: ``num_reqs``, ``decode`` (every request
         scheduled one token plus its drafts), ``tokens``, ``step_ms`` (execute_model to the
-        end of sample_tokens) and ms per phase."""
+        end of sample_tokens), ms per phase and ``graphs`` (sorted "role MODE" labels; V2)."""
         if self.cuda:
             torch.cuda.synchronize()
         steps, self._steps = self._steps, []
@@ -107,7 +116,7 @@ class PhaseTimer:
             row = {"num_reqs": step["num_reqs"], "decode": step["decode"],
                    "tokens": step["tokens"],
                    "step_ms": self._elapsed_ms(step["start"], step["end"]),
-                   **{name: 0.0 for name in PHASES}}
+                   "graphs": sorted(step["graphs"]), **{name: 0.0 for name in PHASES}}
             for name, start, end in step["phases"]:
                 row[name] += self._elapsed_ms(start, end)
             rows.append(row)
@@ -120,6 +129,17 @@ def _owner(runner, path: str):
     for part in parents:
         owner = getattr(owner, part)
     return owner, name
+
+
+def graph_managers(runner) -> dict[str, list]:
+    """Model runner V2's CUDA-graph managers by role: the runner's own for the target, the
+    speculator's for the drafter (dflash_tfm's TreeSpeculator holds one per k it drafts)."""
+    speculator = getattr(runner, "speculator", None)
+    drafting = [getattr(speculator, "query_cudagraph_manager", None),
+                *getattr(speculator, "draft_graphs", {}).values()]
+    by_role = {"target": [runner.cudagraph_manager], "drafting": drafting}
+    return {role: list({id(m): m for m in managers if m is not None}.values())
+            for role, managers in by_role.items()}
 
 
 def install(runner, runner_kind: str) -> PhaseTimer:
@@ -154,5 +174,16 @@ def install(runner, runner_kind: str) -> PhaseTimer:
             original = getattr(owner, attribute)
             setattr(owner, attribute, functools.wraps(original)(
                 functools.partial(timer.phase, name, original)))
+    if runner_kind == "v2":
+        for role, managers in graph_managers(runner).items():
+            for manager in managers:
+                dispatch = manager.dispatch
+
+                def recorded_dispatch(*args, _dispatch=dispatch, _role=role, **kwargs):
+                    descriptor = _dispatch(*args, **kwargs)
+                    timer.graph(_role, descriptor)
+                    return descriptor
+
+                manager.dispatch = functools.wraps(dispatch)(recorded_dispatch)
     runner.bench_phase_timer = timer
     return timer
