@@ -183,8 +183,8 @@ def engine_kwargs(shapes: Shapes, runner: str,
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
     runs a batch's draft round eagerly)."""
     max_model_len = max(shapes.contexts) + 1024
-    common = dict(max_model_len=max_model_len,
-                  max_num_seqs=max(shapes.batches + (shapes.long_batches or ())),
+    batches = shapes.batches + (shapes.long_batches or ())
+    common = dict(max_model_len=max_model_len, max_num_seqs=max(batches),
                   skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
                   disable_log_stats=False)
     if shapes.name == "tiny":
@@ -195,7 +195,7 @@ def engine_kwargs(shapes: Shapes, runner: str,
 
     graphs = CUDA_GRAPH_SETTINGS["full-decode"]
     lens = (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens)
-    sizes = sorted({b * m for b in shapes.batches + (shapes.long_batches or ()) for m in lens})
+    sizes = sorted({b * m for b in batches for m in lens})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,

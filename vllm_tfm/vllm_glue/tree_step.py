@@ -201,7 +201,8 @@ class TreeStep:
         """
         assert self.accepted_leaf is not None
         total = int(self.linear_positions.shape[-1])
-        order = torch.arange(total, device=self.token_rows.device)
+        # One slot past the rows: padding nodes scatter there (below), and it is dropped.
+        order = torch.arange(total + 1, device=self.token_rows.device)
         on_path = self.meta.path_mask(self.accepted_leaf)
         valid = self.meta.valid
         # Sort key per node: path nodes by depth first, then the others in order.
@@ -212,10 +213,8 @@ class TreeStep:
         ranked = torch.argsort(key, dim=1, stable=True)
         sources = torch.gather(self.token_rows, 1, ranked)
         # Scattered, not mask-indexed (a mask index reads its count on the host: on V2 the
-        # drafter's step would wait for the target here): padding nodes write into one
-        # extra slot, dropped.
+        # drafter's step would wait for the target here).
         targets = torch.where(valid, self.token_rows.long(), total)
-        order = torch.cat([order, order.new_zeros(1)])
         order.scatter_(0, targets.flatten(), sources.long().flatten())
         return order[:total]
 
