@@ -18,6 +18,10 @@ def test_settings_measure_each_budget_once_and_the_chain_once():
                         ("weaver", 16), ("weaver", 32), ("weaver", 127), ("ddtree", 16),
                         ("ddtree", 32), ("ddtree", 127)]
     assert speed.tfm_settings(("chain",), (4, 8)) == [("chain", 8)]
+    # --rule-only: the user's engine alone, one engine of the largest budget drafting by rule.
+    rule = speed.tfm_settings(("weaver", "ddtree"), (16, 64), rule_only=True)
+    assert rule == [("weaver", None)]
+    assert speed.engine_budgets(rule, (16, 64), "v2") == [(64, True, [("weaver", None)])]
 
 
 def test_stated_tau_by_regime():

@@ -1,6 +1,7 @@
 """TreeMetadata against a brute-force per-node walk up the parent pointers, the
 random trees every kernel test draws, and the package's import layout."""
 
+import dataclasses
 import importlib
 import pkgutil
 
@@ -10,6 +11,7 @@ import torch
 import triton_ops
 from triton_ops.testing import BUSHY_WINDOW, TREE_SHAPES, random_parents, random_tree_batch
 from triton_ops.tree_metadata import (
+    KERNEL_MAX_NODES,
     build_tree_metadata,
     pack_bitsets,
     unpack_bitsets,
@@ -38,14 +40,35 @@ def brute_force(parents, counts, conv_width):
     return ancestors, depths, conv
 
 
-@pytest.mark.parametrize("max_nodes", [1, 7, 16, 63, 64, 65, 128, 130])
+def poison_empty(monkeypatch):
+    """Every torch.empty comes back filled with garbage (True / -77), so an output the
+    kernel leaves unwritten cannot pass for a right one."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(True if t.dtype == torch.bool else -77)
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("max_nodes", [1, 2, 3, 7, 16, 17, 63, 64, 65, 127, 128, 130])
 @pytest.mark.parametrize("conv_width", [1, 2, 4])
-def test_matches_brute_force(max_nodes, conv_width, gen):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_matches_brute_force(max_nodes, conv_width, backend, gen, monkeypatch):
     B = 5
     shapes = [TREE_SHAPES[int(i)] for i in torch.randint(0, len(TREE_SHAPES), (B,), generator=gen)]
     parents, num_nodes = random_tree_batch(gen, shapes, max_nodes)
+    if backend == "triton" and max_nodes > KERNEL_MAX_NODES:
+        with pytest.raises(ValueError, match="at most 128 nodes"):
+            build_tree_metadata(parents, num_nodes, backend=backend)
+        return
     counts = num_nodes.tolist()
-    meta = build_tree_metadata(parents, num_nodes, conv_width=conv_width)
+    # The kernel reads any strides and either index dtype.
+    parents = parents.int().t().contiguous().t() if max_nodes % 2 else parents
+    poison_empty(monkeypatch)
+    meta = build_tree_metadata(parents, num_nodes, conv_width=conv_width, backend=backend)
+    monkeypatch.undo()
     ancestors, depths, conv = brute_force(parents, counts, conv_width)
 
     valid = torch.arange(max_nodes) < num_nodes.view(-1, 1)
@@ -58,6 +81,19 @@ def test_matches_brute_force(max_nodes, conv_width, gen):
     assert meta.ancestor_words.shape == (B, max_nodes, -(-max_nodes // 64))
     assert torch.equal(unpack_bitsets(meta.ancestor_words, max_nodes), ancestors)
     assert (meta.batch_size, meta.max_nodes, meta.conv_width) == (B, max_nodes, conv_width)
+
+
+@pytest.mark.parametrize("shape", TREE_SHAPES)
+@pytest.mark.parametrize("max_nodes", [33, 65, 128])
+def test_kernel_equals_torch_build_on_every_tree_shape(shape, max_nodes, gen):
+    """Each shape full (a 127-deep chain takes every squaring) and cut short."""
+    parents, num_nodes = random_tree_batch(gen, [shape] * 3, max_nodes,
+                                           [max_nodes, max_nodes // 2, 1])
+    kernel = build_tree_metadata(parents, num_nodes, backend="triton")
+    torch_build = build_tree_metadata(parents, num_nodes, backend="torch")
+    for field in dataclasses.fields(kernel):
+        got, want = getattr(kernel, field.name), getattr(torch_build, field.name)
+        assert got.dtype == want.dtype and torch.equal(got, want), field.name
 
 
 def test_bitset_round_trip_and_bit_layout(gen):
@@ -149,3 +185,19 @@ def test_importing_the_package_shadows_no_submodule():
         assert reached is module, name
     for name in triton_ops.__all__:
         assert getattr(triton_ops, name) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_ops.utils.interpreting(),
+                    reason="needs a CUDA GPU (TRITON_INTERPRET=0)")
+@pytest.mark.parametrize("max_nodes", [1, 17, 64, 65, 128])
+def test_kernel_on_cuda_equals_torch_build(max_nodes, gen):
+    """The compiled kernel (fp16 closure dots) against the torch build, every tree shape."""
+    shapes = [TREE_SHAPES[i % len(TREE_SHAPES)] for i in range(11)]
+    parents, num_nodes = random_tree_batch(gen, shapes, max_nodes)
+    parents, num_nodes = parents.cuda(), num_nodes.cuda()
+    kernel = build_tree_metadata(parents, num_nodes, backend="auto")
+    torch_build = build_tree_metadata(parents, num_nodes, backend="torch")
+    for field in dataclasses.fields(kernel):
+        got, want = getattr(kernel, field.name), getattr(torch_build, field.name)
+        assert got.dtype == want.dtype and torch.equal(got, want), field.name

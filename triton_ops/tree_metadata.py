@@ -7,7 +7,9 @@ may hold fewer than N nodes: ``num_nodes[b]`` counts the real ones, the rest
 is padding and is turned into isolated roots that no real node can see.
 
 Everything here depends on the topology only, so it is built once per decoding
-step and read by all layers.
+step and read by all layers. On CUDA one Triton program per request builds it
+(:func:`_tree_metadata_kernel`): the vectorised torch build is ~100 small launches,
+host time the engine's step waits for before its target graph can replay.
 """
 
 from __future__ import annotations
@@ -15,10 +17,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
-from triton_ops.utils import INDEX_DTYPES, check_index_vector, host_readable
+from triton_ops.utils import (
+    INDEX_DTYPES,
+    check_index_vector,
+    dot_block,
+    host_readable,
+    interpreting,
+    use_triton,
+)
 
 BITS_PER_WORD = 64
+# Trees the one-program kernel takes: it holds the [N, N] ancestor closure as one tile;
+# larger trees (129 nodes: budget 128) take the torch build.
+KERNEL_MAX_NODES = 128
 
 
 @dataclass(frozen=True)
@@ -149,6 +163,7 @@ def build_tree_metadata(
     num_nodes: torch.Tensor | None = None,
     conv_width: int = 4,
     validate: bool = True,
+    backend: str = "auto",
 ) -> TreeMetadata:
     """Build the layer-invariant tree metadata for one decoding step.
 
@@ -160,8 +175,12 @@ def build_tree_metadata(
             the node itself).
         validate: check the topology (one host sync); the engine skips it for
             trees it built itself.
+        backend: "auto" (the Triton kernel for CUDA tensors of at most
+            ``KERNEL_MAX_NODES`` nodes, torch otherwise), "torch" or "triton" (see
+            :func:`triton_ops.utils.use_triton`; up to ``KERNEL_MAX_NODES`` nodes).
 
-    Runs in O(log N) vectorised steps (pointer jumping), no per-node loop.
+    Both paths run in O(log N) steps (pointer jumping, or the closure squared), no
+    per-node loop.
     """
     B, N = parents.shape if parents.dim() == 2 else (0, 0)
     device = parents.device
@@ -171,6 +190,12 @@ def build_tree_metadata(
         _validate_parents(parents, num_nodes)
     if conv_width < 1:
         raise ValueError(f"conv_width must be >= 1, got {conv_width}")
+    triton_path = use_triton(backend, parents)
+    if backend == "triton" and N > KERNEL_MAX_NODES:
+        raise ValueError(f"the Triton tree metadata kernel takes at most {KERNEL_MAX_NODES} "
+                         f"nodes, got {N}: use backend='torch' or 'auto'")
+    if triton_path and N <= KERNEL_MAX_NODES:
+        return _build_triton(parents, num_nodes.to(device), conv_width)
 
     node = torch.arange(N, device=device)
     valid = node < num_nodes.view(-1, 1).to(device)
@@ -198,6 +223,78 @@ def build_tree_metadata(
         ancestor_words=pack_bitsets(ancestors),
         conv_sources=conv_sources,
     )
+
+
+@triton.jit
+def _tree_metadata_kernel(
+    parents_ptr, num_nodes_ptr,
+    parents_out_ptr, valid_ptr, depths_ptr, ancestors_ptr, words_ptr, conv_ptr,
+    N, stride_pb, stride_pn,
+    W: tl.constexpr, CONV: tl.constexpr, NP: tl.constexpr, SQUARINGS: tl.constexpr,
+    CLOSURE_DTYPE: tl.constexpr,
+):
+    """One request's metadata (outputs contiguous, node-major). ``reach[i, j]``: j is i or
+    an ancestor of i within distance d; it starts at d = 1 (self and parent) and each
+    boolean square doubles d, so SQUARINGS = ceil(log2(N - 1)) squares reach the root.
+    0/1 products summed over at most NP terms are exact in every dot precision."""
+    b = tl.program_id(0).to(tl.int64)
+    node = tl.arange(0, NP)
+    in_range = node < N
+    valid = node < tl.load(num_nodes_ptr + b)
+    parent = tl.load(parents_ptr + b * stride_pb + node * stride_pn, mask=valid, other=-1)
+    parent = parent.to(tl.int32)
+    reach = (node[:, None] == node[None, :]) | (parent[:, None] == node[None, :])
+    for _ in tl.static_range(SQUARINGS):
+        closure = reach.to(CLOSURE_DTYPE)
+        reach = tl.dot(closure, closure) > 0
+    depth = tl.sum(reach.to(tl.int32), axis=1) - 1
+
+    rows = b * N + node
+    pair = in_range[:, None] & in_range[None, :]
+    tl.store(parents_out_ptr + rows, parent, mask=in_range)
+    tl.store(valid_ptr + rows, valid.to(tl.uint8), mask=in_range)
+    tl.store(depths_ptr + rows, depth, mask=in_range)
+    tl.store(ancestors_ptr + rows[:, None] * N + node[None, :], reach.to(tl.uint8), mask=pair)
+    # Disjoint bits: the wrapping int64 sum is the bitwise OR (bit 63 included).
+    bit = tl.full((NP,), 1, tl.int64) << (node % BITS_PER_WORD).to(tl.int64)
+    for w in tl.static_range(W):
+        in_word = (node >= w * BITS_PER_WORD) & (node < (w + 1) * BITS_PER_WORD)
+        word = tl.sum(tl.where(reach & in_word[None, :], bit[None, :], 0), axis=1)
+        tl.store(words_ptr + rows * W + w, word, mask=in_range)
+    # Tap t reads the ancestor t levels up; past the root, committed column depth - t.
+    for t in tl.static_range(CONV):
+        level = reach & (depth[None, :] == (depth - t)[:, None])
+        source = tl.sum(tl.where(level, node[None, :], 0), axis=1)
+        tl.store(conv_ptr + rows * CONV + t, tl.where(depth >= t, source, depth - t),
+                 mask=in_range)
+
+
+def _build_triton(parents: torch.Tensor, num_nodes: torch.Tensor,
+                  conv_width: int) -> TreeMetadata:
+    B, N = parents.shape
+    NP = dot_block(N)
+    words = -(-N // BITS_PER_WORD)
+    device = parents.device
+
+    def empty(dtype, *shape):
+        return torch.empty(B, N, *shape, dtype=dtype, device=device)
+
+    meta = TreeMetadata(
+        parents=empty(torch.int32), num_nodes=num_nodes.to(torch.int32),
+        valid=empty(torch.bool), depths=empty(torch.int32), ancestors=empty(torch.bool, N),
+        ancestor_words=empty(torch.int64, words), conv_sources=empty(torch.int32, conv_width),
+    )
+    # The interpreter's 16-bit dot is unreliable (triton#11584); fp32 0/1 is as exact.
+    closure_dtype = tl.float32 if interpreting() else tl.float16
+    _tree_metadata_kernel[(B,)](
+        parents, meta.num_nodes,
+        meta.parents, meta.valid.view(torch.uint8), meta.depths,
+        meta.ancestors.view(torch.uint8), meta.ancestor_words, meta.conv_sources,
+        N, *parents.stride(),
+        W=words, CONV=conv_width, NP=NP, SQUARINGS=max(1, (N - 2).bit_length()),
+        CLOSURE_DTYPE=closure_dtype, num_warps=8 if NP >= 128 else 4,
+    )
+    return meta
 
 
 def _conv_sources(

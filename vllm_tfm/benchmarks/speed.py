@@ -91,12 +91,15 @@ SHAPES = {
 }
 
 
-def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...]) -> list[tuple[str, int | None]]:
+def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...],
+                 rule_only: bool = False) -> list[tuple[str, int | None]]:
     """(tree kind, budget) settings of the dflash_tfm engine, in measuring order: the
     issue's targets first (Weaver(64), the chain, the batch-size-aware rule, DDTree(64)),
-    then every other budget. Budget None is the plugin's own rule. A chain is the DFlash
-    block whatever the budget: it runs once, at the smallest budget of at least the
-    block's depth."""
+    then every other budget. Budget None is the plugin's own rule (``rule_only``: that
+    setting alone). A chain is the DFlash block whatever the budget: it runs once, at the
+    smallest budget of at least the block's depth."""
+    if rule_only:
+        return [("weaver", None)] if "weaver" in trees else []
     settings: list[tuple[str, int | None]] = []
     for tree in trees:
         if tree == "chain":
@@ -709,10 +712,12 @@ def merge_reports(paths: list[Path], out: Path) -> str:
 
 
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
-        out: Path, work: Path, deadline_s: float, profile: bool = False) -> str:
+        out: Path, work: Path, deadline_s: float, profile: bool = False,
+        rule_only: bool = False) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
     report is rewritten after each. ``profile``: each engine's first cell at each batch
-    size profiled too."""
+    size profiled too. ``rule_only``: dflash_tfm by its batch-size-aware rule alone (the
+    engine a user gets), no engine pinned to a budget."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     import torch
@@ -741,8 +746,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     engines = [(method, None, False, None) for method in methods if method != TFM]
     if TFM in methods:
         engines += [(TFM, budget, rule, settings) for budget, rule, settings
-                    in engine_budgets(tfm_settings(trees, shapes.budgets), shapes.budgets,
-                                      runner)]
+                    in engine_budgets(tfm_settings(trees, shapes.budgets, rule_only),
+                                      shapes.budgets, runner)]
     results: list[dict] = []
     text = ""
     for method, budget, rule, settings in engines:

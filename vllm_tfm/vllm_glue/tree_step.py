@@ -84,10 +84,12 @@ def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.nd
     slots = (np.arange(len(requests))[:, None] * max_nodes + node[None, :])[real]
     device = meta.parents.device
     index = to_device(np.asarray(requests, dtype=np.int64), device)
+    # Every request (a decode batch): the subset is the step itself, no copies.
+    everyone = len(requests) == meta.batch_size
     return RequestNodes(
         requests=index,
-        meta=select_requests(meta, index),
-        prefix_lens=prefix_lens.index_select(0, index),
+        meta=meta if everyone else select_requests(meta, index),
+        prefix_lens=prefix_lens if everyone else prefix_lens.index_select(0, index),
         rows=to_device(rows.astype(np.int64), device),
         slots=to_device(slots.astype(np.int64), device),
     )
