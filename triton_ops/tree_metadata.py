@@ -231,7 +231,7 @@ def _tree_metadata_kernel(
     parents_out_ptr, valid_ptr, depths_ptr, ancestors_ptr, words_ptr, conv_ptr,
     N, stride_pb, stride_pn,
     W: tl.constexpr, CONV: tl.constexpr, NP: tl.constexpr, SQUARINGS: tl.constexpr,
-    CLOSURE_DTYPE: tl.constexpr,
+    CLOSURE_DTYPE: tl.constexpr, WORD: tl.constexpr,
 ):
     """One request's metadata (outputs contiguous, node-major). ``reach[i, j]``: j is i or
     an ancestor of i within distance d; it starts at d = 1 (self and parent) and each
@@ -256,9 +256,9 @@ def _tree_metadata_kernel(
     tl.store(depths_ptr + rows, depth, mask=in_range)
     tl.store(ancestors_ptr + rows[:, None] * N + node[None, :], reach.to(tl.uint8), mask=pair)
     # Disjoint bits: the wrapping int64 sum is the bitwise OR (bit 63 included).
-    bit = tl.full((NP,), 1, tl.int64) << (node % BITS_PER_WORD).to(tl.int64)
+    bit = tl.full((NP,), 1, tl.int64) << (node % WORD).to(tl.int64)
     for w in tl.static_range(W):
-        in_word = (node >= w * BITS_PER_WORD) & (node < (w + 1) * BITS_PER_WORD)
+        in_word = (node >= w * WORD) & (node < (w + 1) * WORD)
         word = tl.sum(tl.where(reach & in_word[None, :], bit[None, :], 0), axis=1)
         tl.store(words_ptr + rows * W + w, word, mask=in_range)
     # Tap t reads the ancestor t levels up; past the root, committed column depth - t.
@@ -292,7 +292,7 @@ def _build_triton(parents: torch.Tensor, num_nodes: torch.Tensor,
         meta.ancestors.view(torch.uint8), meta.ancestor_words, meta.conv_sources,
         N, *parents.stride(),
         W=words, CONV=conv_width, NP=NP, SQUARINGS=max(1, (N - 2).bit_length()),
-        CLOSURE_DTYPE=closure_dtype, num_warps=8 if NP >= 128 else 4,
+        CLOSURE_DTYPE=closure_dtype, WORD=BITS_PER_WORD, num_warps=8 if NP >= 128 else 4,
     )
     return meta
 
