@@ -13,7 +13,7 @@ from triton_ops.testing import random_tree_batch
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.vllm_glue.runner import _build_step
 from vllm_tfm.vllm_glue.tree_step import TreeStep
-from vllm_tfm.vllm_glue.verify import _node_logits, _path_logprobs
+from vllm_tfm.vllm_glue.verify import _path_logprobs, node_logits
 
 # Drafted trees have one root (no forests).
 SHAPES = ("chain", "star", "bushy", "random")
@@ -47,7 +47,7 @@ def test_node_logits_are_each_requests_last_rows(gen, batch, max_nodes):
     logits = torch.randn(int(cu[-1]), 11, generator=gen)
     logits[:, 3] = float("-inf")  # a token a grammar masks: no NaN in the padding
     width = max_nodes + 2  # the trees' N: every tree of the step may be smaller
-    got = _node_logits(logits, SimpleNamespace(cu_num_sampled_tokens=cu), meta.num_nodes, width)
+    got = node_logits(logits, cu, meta.num_nodes, width)
     assert got.shape == (batch, width, 11)
     for b in range(batch):
         start = int(cu[b] - counts[b])

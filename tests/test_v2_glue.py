@@ -13,6 +13,7 @@ import torch
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 from vllm_tfm.drafting.verifiers import verify_greedy
+from vllm_tfm.vllm_glue.verify import node_logits
 from vllm_tfm.vllm_glue.v2 import choice
 from vllm_tfm.vllm_glue.v2.trees import (
     SlotTrees,
@@ -21,7 +22,6 @@ from vllm_tfm.vllm_glue.v2.trees import (
     restore_linear_positions,
 )
 from vllm_tfm.vllm_glue.v2.verify import (
-    node_logits,
     refused_sampling_field,
     sampled_tokens,
     verify_batch,
@@ -141,9 +141,20 @@ def test_a_batch_without_drafts_has_no_tree_step():
 
 def test_node_logits_take_each_requests_last_rows():
     logits = torch.arange(9.0).view(9, 1)  # rows 0..8: requests of 3, 1 and 5 logits rows
-    cu = torch.tensor([0, 3, 4, 9])
-    out = node_logits(logits, cu, torch.tensor([3, 1, 4]), 4)[..., 0]
+    ends = torch.tensor([3, 4, 9])
+    out = node_logits(logits, ends, torch.tensor([3, 1, 4]), 4)[..., 0]
     assert out.tolist() == [[0, 1, 2, 0], [3, 0, 0, 0], [5, 6, 7, 8]]
+
+
+def test_node_logits_of_a_full_batch_are_the_logits_by_node():
+    """A uniform decode batch (every request ``width`` rows): the same rows as the gather,
+    float32 from bf16 logits, without the gather's copies."""
+    logits = torch.randn(12, 5).bfloat16()
+    ends, counts = torch.tensor([4, 8, 12]), torch.full((3,), 4)
+    full = node_logits(logits, ends, counts, 4, full=True)
+    assert full.dtype == torch.float32 and full.shape == (3, 4, 5)
+    assert torch.equal(full, node_logits(logits, ends, counts, 4))
+    assert torch.equal(full.flatten(0, 1), logits.float())
 
 
 def test_verify_batch_greedy_is_the_greedy_verifier_and_sampled_rows_accept_paths():

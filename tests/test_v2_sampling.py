@@ -341,7 +341,7 @@ def _tree_decode_step(tree, slots, prefix):
     store.store(slots, tree)
     num_nodes = torch.full((rows,), width, dtype=torch.int32)
     step = SimpleNamespace(meta=SimpleNamespace(num_nodes=num_nodes), prefix_lens=prefix,
-                           accepted_leaf=None)
+                           num_nodes_host=num_nodes.numpy().astype(np.int64), accepted_leaf=None)
     state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
     cu = np.arange(rows + 1, dtype=np.int32) * width
     batch = SimpleNamespace(

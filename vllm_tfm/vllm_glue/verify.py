@@ -64,18 +64,25 @@ _DETERMINISTIC_TREE_VERIFIERS = {
 }
 
 
-def _node_logits(logits: torch.Tensor, spec_metadata, num_nodes: torch.Tensor,
-                 width: int) -> torch.Tensor:
-    """[R, width, V] logits of each node (rows of request r: cu_sampled[r] - n_r + j),
-    zero past each request's n_r: ``width`` is the trees' N, which every tree of a step
-    may leave partly empty (a grammar prunes them, a frontier runs dry)."""
-    ends = spec_metadata.cu_num_sampled_tokens.to(logits.device).long()
+def node_logits(logits: torch.Tensor, ends: torch.Tensor, num_nodes: torch.Tensor,
+                width: int, full: bool = False) -> torch.Tensor:
+    """[R, width, V] float32 logits of each node: request r's rows ends[r] - n_r + j,
+    zeros past its n_r nodes (``width`` is the trees' N, which every tree of a step may
+    leave partly empty: a grammar prunes them, a frontier runs dry). ``full``: every
+    request scores ``width`` rows back to back (a uniform decode batch, host-known), so
+    the result is ``logits`` itself viewed by node, converted once. Otherwise rows are
+    gathered in ``logits``' own dtype before the conversion: at 32 requests of 17 nodes and
+    a 248k vocabulary each float32 copy is 540 MB."""
+    vocab = logits.shape[-1]
+    if full:
+        return logits.view(-1, width, vocab).float()
+    ends = ends.to(logits.device).long()
     count = num_nodes.to(logits.device).long()
     node = torch.arange(width, device=logits.device)
     rows = (ends - count).view(-1, 1) + node
     valid = node < count.view(-1, 1)
     # where, not a product: a grammar-masked row holds -inf, and -inf * 0 is NaN.
-    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0.0)
+    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0).float()
 
 
 def _node_histories(output_token_ids: list[list[int]], tree: DraftTree) -> list[list[int]]:
@@ -239,26 +246,27 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
     verified = num_nodes if step.void is None else torch.where(step.void, 1, num_nodes)
     tree = runner.drafter.scheduled_trees(step.req_ids, verified)
     raw = logits.float()
-    node_logits = apply_request_processing(
-        _node_logits(raw, spec_metadata, num_nodes, tree.tokens.shape[1]), tree, sampling)
+    scored = apply_request_processing(
+        node_logits(raw, spec_metadata.cu_num_sampled_tokens, num_nodes, tree.tokens.shape[1]),
+        tree, sampling)
     budgets = tree_holder(sampling)
     if budgets is not None:
-        node_logits = budgets.force_tree_rows(node_logits, tree)
+        scored = budgets.force_tree_rows(scored, tree)
     greedy = greedy_requests(runner.input_batch, num_reqs)
-    processed = node_logits
+    processed = scored
     if not sampling.all_greedy:
-        width = node_logits.shape[1]
+        width = scored.shape[1]
         # Every request owns `width` consecutive rows of the flattened node logits.
         cu_rows = width * torch.arange(1, num_reqs + 1, dtype=torch.int32, device=raw.device)
         processed = apply_sampling_constraints(
-            node_logits.flatten(0, 1).clone(), cu_rows, sampling
-        ).view_as(node_logits)
+            scored.flatten(0, 1).clone(), cu_rows, sampling
+        ).view_as(scored)
     if options.verify == "greedy":
         greedy = np.ones(num_reqs, dtype=bool)
     seeds = request_seeds(sampling, num_reqs, raw.device)
     mode = "auto" if options.verify == "greedy" else options.verify
     sampled_tree = runner.drafter.scheduled_sampled(step.req_ids)
-    result = verify_trees(tree, node_logits, processed, greedy, sampled_tree, seeds, mode)
+    result = verify_trees(tree, scored, processed, greedy, sampled_tree, seeds, mode)
     step.accepted_leaf = result.accepted_leaf
     width = spec_metadata.max_spec_len + 1
     sampled = torch.full((num_reqs, width), -1, dtype=torch.int32, device=raw.device)

@@ -45,8 +45,8 @@ from vllm_tfm.vllm_glue.v2.trees import (
     batch_tree_step,
     restore_linear_positions,
 )
+from vllm_tfm.vllm_glue.verify import node_logits
 from vllm_tfm.vllm_glue.v2.verify import (
-    node_logits,
     path_logprobs,
     sampled_tokens,
     step_seeds,
@@ -202,8 +202,9 @@ class TreeRejectionSampler:
         slots = input_batch.idx_mapping[:num_reqs]
         slots_np = input_batch.idx_mapping_np[:num_reqs]
         tree = state.engine.trees.gather(slots).truncate(step.meta.num_nodes)
-        raw = node_logits(logits.float(), input_batch.cu_num_logits, step.meta.num_nodes,
-                          tree.max_nodes)
+        width = tree.max_nodes
+        raw = node_logits(logits, input_batch.cu_num_logits[1:], step.meta.num_nodes, width,
+                          full=bool((step.num_nodes_host == width).all()))
         processed = process_node_rows(
             sampler, raw.flatten(0, 1), tree, step.prefix_lens, slots, slots_np).view_as(raw)
         sampling = sampler.sampling_states

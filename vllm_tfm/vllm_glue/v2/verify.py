@@ -24,18 +24,6 @@ _GREEDY_TEMPERATURE_EPS = 1e-5
 _SEED_STRIDE = 0x9E3779B97F4A7C15 - (1 << 64)
 
 
-def node_logits(logits: torch.Tensor, cu_num_logits: torch.Tensor, num_nodes: torch.Tensor,
-                width: int) -> torch.Tensor:
-    """[R, width, V]: request r's logits rows cu_num_logits[r + 1] - n_r + j, zeros past
-    its n_r nodes (a prompt chunk's one row is its root)."""
-    ends = cu_num_logits[1:].long()
-    count = num_nodes.long()
-    node = torch.arange(width, device=logits.device)
-    rows = (ends - count).view(-1, 1) + node
-    valid = node < count.view(-1, 1)
-    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0.0)
-
-
 def step_seeds(request_seeds: torch.Tensor, prefix_lens: torch.Tensor) -> torch.Tensor:
     """[R] int64: a fresh seed per request and step, reproducible from the request's seed."""
     return request_seeds.long() + prefix_lens.long() * _SEED_STRIDE
