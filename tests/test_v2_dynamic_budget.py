@@ -329,7 +329,8 @@ def _v2_decode_batch(gen, store: SlotTrees, k: int, num_reqs: int, slots: torch.
     return SimpleNamespace(
         num_reqs=num_reqs, num_draft_tokens=num_reqs * k,
         num_draft_tokens_per_req=np.full(num_reqs, k), idx_mapping=slots.int(),
-        num_scheduled_tokens=scheduled, num_computed_tokens_np=computed,
+        num_scheduled_tokens=scheduled,
+        seq_lens=torch.from_numpy(computed + scheduled).int(),
         query_start_loc_np=starts, req_ids=[f"r{r}" for r in range(num_reqs)],
         positions=positions)
 

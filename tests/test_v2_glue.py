@@ -104,7 +104,7 @@ def _batch(trees: SlotTrees, positions: torch.Tensor):
     return SimpleNamespace(
         num_reqs=3, num_draft_tokens=7, num_draft_tokens_per_req=np.array([5, 2, 0]),
         idx_mapping=torch.tensor([4, 0, 2]), num_scheduled_tokens=scheduled,
-        num_computed_tokens_np=np.array([10, 7, 0]),
+        seq_lens=torch.tensor([16, 10, 4], dtype=torch.int32),
         query_start_loc_np=np.concatenate([[0], np.cumsum(scheduled)]),
         req_ids=["a", "b", "c"], positions=positions,
     )
@@ -191,3 +191,15 @@ def test_refused_sampling_fields_are_named():
     assert refused_sampling_field(structured).startswith("structured_outputs=")
     assert refused_sampling_field(SamplingParams(thinking_token_budget=8)) == (
         "thinking_token_budget=8")
+
+
+def test_async_scheduling_is_taken_on_v2_only():
+    """V2's tree steps read the device's token counts (batch_tree_step above has no host
+    count at all), so model runner V2 takes async scheduling; V1 refuses it, naming why."""
+    from vllm_tfm.vllm_glue.config import _check_async_scheduling
+
+    for value in (None, False, True):
+        _check_async_scheduling(value, "v2")
+    _check_async_scheduling(None, "v1")
+    with pytest.raises(ValueError, match="async_scheduling must be False .* model runner V1"):
+        _check_async_scheduling(True, "v1")

@@ -71,13 +71,14 @@ def wrap_create_engine_config(original):
             return original(self, *args, **kwargs)
         options, vllm_spec = split_speculative_config(user_spec, _speculative_fields())
         _check_engine_args(self)
+        on_cpu = _on_cpu()
+        runner = "v1" if on_cpu else choose_runner(self)  # V1: the only runner on CPU
+        _check_async_scheduling(self.async_scheduling, runner)
         saved = (self.enable_prefix_caching, self.async_scheduling, self.additional_config,
                  self.attention_backend)
-        runner = "v1"  # the only runner on CPU
-        if not _on_cpu():
+        if not on_cpu:
             # The tree path patches model runner V1 or plugs into V2 (vllm_glue/v2), over
             # the TRITON_ATTN backend either way.
-            runner = choose_runner(self)
             select_model_runner(runner)
             if self.attention_backend is None and self.attention_config.backend is None:
                 # vLLM refuses both fields set, so only fill an unset choice.
@@ -86,10 +87,10 @@ def wrap_create_engine_config(original):
         options = batch_size_budgets(options, vllm_spec, runner)
         self.speculative_config = vllm_spec
         # GDN states advance along the accepted path only, in place: prefix
-        # caching's state checkpoints ("align" mode) and async scheduling's
-        # optimistic chains do not apply to trees.
+        # caching's state checkpoints ("align" mode) do not apply to trees. Async
+        # scheduling: V2 only, when asked for (see _check_async_scheduling).
         self.enable_prefix_caching = False
-        self.async_scheduling = False
+        self.async_scheduling = bool(self.async_scheduling) and runner == "v2"
         self.additional_config = {
             **(self.additional_config or {}),
             ADDITIONAL_CONFIG_KEY: options.to_dict(),
@@ -161,10 +162,6 @@ def _check_engine_args(engine_args) -> None:
             "enable_prefix_caching must be False with speculative method "
             f"'{METHOD}' (tree commits do not keep per-block GDN checkpoints)"
         )
-    if engine_args.async_scheduling:
-        raise ValueError(
-            f"async_scheduling must be False with speculative method '{METHOD}'"
-        )
     # Any tensor_parallel_size works: the drafter and target shard as vLLM shards them,
     # the Weaver reads the vocabulary gathered whole, and the first rank's trees and
     # accepted paths are broadcast to the others (proposer.py, runner.py).
@@ -190,6 +187,20 @@ def choose_runner(engine_args) -> str:
     """The model runner ("v1" or "v2") of a dflash_tfm engine on CUDA (v2/choice.py)."""
     return tree_runner(os.environ.get(ENV), True, vllm_major_minor(),
                        engine_args.tensor_parallel_size)
+
+
+def _check_async_scheduling(async_scheduling: bool | None, runner: str) -> None:
+    """Async scheduling prepares step n + 1 while step n runs, so the host's token
+    counts are upper bounds. Model runner V2's tree steps read the device's counts and
+    take it; V1's read the host's and refuse it. On V2 it is opt-in (``True``; vLLM's
+    default ``None`` leaves it off) until a GPU check shows greedy output equal to no
+    speculation with it (BENCHMARKS.md, stop 19: the ~5 ms a step it would hide)."""
+    if async_scheduling and runner != "v2":
+        raise ValueError(
+            f"async_scheduling must be False with speculative method '{METHOD}' on model "
+            "runner V1 (its tree steps read the scheduler's host token counts); model "
+            "runner V2 (VLLM_USE_V2_MODEL_RUNNER=1, CUDA) takes async_scheduling=True"
+        )
 
 
 def _on_cpu() -> bool:

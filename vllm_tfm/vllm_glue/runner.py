@@ -137,7 +137,8 @@ def _build_step(runner, scheduler_output, num_scheduled_tokens: np.ndarray, spec
     return build_tree_step(
         req_ids, to_device(parents, device), num_nodes,
         runner.query_start_loc.np[: num_reqs + 1].astype(np.int64),
-        runner.input_batch.num_computed_tokens_cpu[:num_reqs].astype(np.int64),
+        to_device((runner.input_batch.num_computed_tokens_cpu[:num_reqs]
+                   + num_scheduled_tokens[:num_reqs]).astype(np.int32), device),
         num_scheduled_tokens[:num_reqs].astype(np.int64), runner.positions,
         conv_width(runner.model_config),
         void=to_device(void, device) if void.any() else None,

@@ -222,15 +222,17 @@ class TreeStep:
 
 
 def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.ndarray,
-                    query_start: np.ndarray, computed: np.ndarray, scheduled: np.ndarray,
+                    query_start: np.ndarray, seq_lens: torch.Tensor, scheduled: np.ndarray,
                     positions: torch.Tensor, conv_width: int,
                     void: torch.Tensor | None = None) -> TreeStep:
     """The step of a batch whose request r scores the first ``num_nodes[r]`` nodes of its
     tree ``parents[r]`` ([R, max nodes] on the device) as its last scheduled tokens (a
     request without drafts: a tree of one node). Host arrays, one entry per request:
-    ``query_start`` [R + 1] vLLM's token offsets, ``computed`` tokens before this step,
-    ``scheduled`` tokens this step; ``positions`` the batch's linear positions (kept for
-    the drafter). Both runners build their steps here, from host counts only."""
+    ``query_start`` [R + 1] vLLM's token offsets, ``scheduled`` tokens this step;
+    ``seq_lens`` [R] on the device, tokens up to the end of this step (under V2's async
+    scheduling only the device knows them: the host's count assumes every draft
+    accepted); ``positions`` the batch's linear positions (kept for the drafter). Both
+    runners build their steps here, without a host sync."""
     device = parents.device
     max_nodes = parents.shape[1]
     meta = build_tree_metadata(parents, to_device(num_nodes.astype(np.int32), device),
@@ -239,7 +241,7 @@ def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.nda
     node = np.arange(max_nodes)
     token_rows = np.where(node[None, :] < num_nodes[:, None],
                           first_node_row[:, None] + node[None, :], -1)
-    prefix_lens = to_device((computed + scheduled - num_nodes).astype(np.int32), device)
+    prefix_lens = (seq_lens.to(device) - meta.num_nodes).to(torch.int32)
     trees = (num_nodes > 1).nonzero()[0]
     return TreeStep(
         req_ids=req_ids,

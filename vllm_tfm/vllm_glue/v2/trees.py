@@ -105,7 +105,8 @@ def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int) -> TreeStep 
 
     A request with d scheduled drafts is scored as the first 1 + d nodes of its slot's
     tree (node order is topological, so any prefix is a tree); one with none (a prompt
-    chunk) as a tree of one node, the last scheduled token. Host-side counts only: no sync.
+    chunk) as a tree of one node, the last scheduled token. Prefix lengths come from the
+    batch's device sequence lengths (exact under async scheduling too); no sync.
     """
     drafts = input_batch.num_draft_tokens_per_req
     if drafts is None or input_batch.num_draft_tokens == 0:
@@ -117,7 +118,7 @@ def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int) -> TreeStep 
     return build_tree_step(
         list(input_batch.req_ids[:num_reqs]), parents, num_nodes,
         input_batch.query_start_loc_np[: num_reqs + 1].astype(np.int64),
-        np.asarray(input_batch.num_computed_tokens_np[:num_reqs], dtype=np.int64),
+        input_batch.seq_lens[:num_reqs],
         np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64),
         input_batch.positions, conv_width,
     )
