@@ -202,32 +202,3 @@ def test_kernel_on_cuda_equals_torch_build(max_nodes, gen):
         got, want = getattr(kernel, field.name), getattr(torch_build, field.name)
         assert got.dtype == want.dtype and torch.equal(got, want), field.name
 
-
-@pytest.mark.parametrize("max_nodes", [1, 64, 65, 128])
-def test_kernel_compiles_for_sm90(max_nodes):
-    """What the interpreter never does: Triton's compiler front end and ptxas on the kernel
-    as the H200 builds it (a non-constexpr global in a kernel once failed only there)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    import triton
-    import triton.language as tl
-    from triton_ops.tree_metadata import BITS_PER_WORD, _tree_metadata_kernel
-    from triton_ops.utils import dot_block
-
-    # Under the interpreter the kernel is its Python function: compile that as jit would.
-    kernel = triton.JITFunction(getattr(_tree_metadata_kernel, "fn", _tree_metadata_kernel))
-    names = list(kernel.arg_names)
-    pointers = {"parents_ptr": "*i64", "num_nodes_ptr": "*i32", "parents_out_ptr": "*i32",
-                "valid_ptr": "*u8", "depths_ptr": "*i32", "ancestors_ptr": "*u8",
-                "words_ptr": "*i64", "conv_ptr": "*i32"}
-    NP = dot_block(max_nodes)
-    constexprs = dict(W=-(-max_nodes // BITS_PER_WORD), CONV=4, NP=NP, SQUARINGS=6,
-                      CLOSURE_DTYPE=tl.float16, WORD=BITS_PER_WORD)
-    signature = {name: pointers.get(name, "constexpr" if name in constexprs else "i32")
-                 for name in names}
-    source = ASTSource(kernel, signature,
-                       constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 8 if NP >= 128 else 4})
-    assert compiled.asm["cubin"]

@@ -1,0 +1,239 @@
+"""Every Triton kernel of ``triton_ops`` through Triton's compiler and ptxas for sm_90
+(the H200), on this CPU machine.
+
+The interpreter runs a kernel as Python and never compiles it, so what only the compiler
+refuses (a module global read inside ``@triton.jit``, a type that a GPU-only branch gets
+wrong) first failed on the device (stop 19: a whole engine call lost). Here each op is
+called once as the engine calls it on CUDA: GPU dtypes, and the GPU path's choices
+(``interpreting()`` reads False in the op modules). Its launches are recorded instead of
+run, and each is compiled with the argument types and constexprs it was launched with.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton.language as tl
+from test_tree_attention import make_paged_batch
+from triton.runtime.interpreter import InterpretedFunction
+
+import triton_ops
+import triton_ops.gdn_tree.chunk_triton as chunk_triton
+import triton_ops.tree_metadata as tree_metadata
+from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit
+from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
+from triton_ops.pool_logits import pool_logits_log_softmax
+from triton_ops.testing import random_tree_batch, random_tree_metadata
+from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
+from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
+from triton_ops.weaver_step.attention import node_attention
+from triton_ops.weaver_step.frontier import (
+    ExpandBatch,
+    Frontier,
+    GrowingTree,
+    pop_frontier,
+    push_children,
+)
+from triton_ops.weaver_step.node_paths import extend_paths
+from triton_ops.weaver_step.norm import rms_norm
+
+POINTER_TYPES = {
+    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+    torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
+    torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
+}
+LAUNCH_OPTIONS = ("num_warps", "num_stages")
+# Modules whose kernels' constexprs depend on interpreting() (fp32 stand-ins for 16-bit dots).
+GPU_CHOICE_MODULES = (chunk_triton, tree_metadata)
+# Compiles the launches (JSON on stdin) in a process without the interpreter: there every
+# @triton.jit function, Triton's own (tl.sum's combine) included, is a compilable JITFunction.
+COMPILER = """
+import importlib, json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+for launch in json.load(sys.stdin):
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    constexprs = {(index,): tl.dtype(value["dtype"]) if isinstance(value, dict) else value
+                  for index, value in launch["constexprs"]}
+    source = ASTSource(kernel, launch["signature"], constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options=launch["options"])
+    assert compiled.asm["cubin"], launch["kernel"]
+    print("compiled", launch["kernel"], flush=True)
+"""
+
+
+def scalar_type(value) -> str:
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__} {value!r}")
+
+
+def describe_launch(fn, args, kwargs) -> dict:
+    """One recorded launch of ``fn`` (the kernel's Python function) as the compiler takes
+    it: argument types, constexpr values (dtypes by name), launch options."""
+    parameters = inspect.signature(fn).parameters
+    values = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items()
+                                            if k not in LAUNCH_OPTIONS}
+    signature, constexprs = {}, []
+    for index, (name, parameter) in enumerate(parameters.items()):
+        value = values.get(name, parameter.default)
+        if "constexpr" in str(parameter.annotation) or value is None:
+            signature[name] = "constexpr"
+            constexprs.append((index, {"dtype": value.name} if isinstance(value, tl.dtype)
+                               else value))
+        elif isinstance(value, torch.Tensor):
+            signature[name] = "*" + POINTER_TYPES[value.dtype]
+        else:
+            signature[name] = scalar_type(value)
+    return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
+            "constexprs": constexprs,
+            "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
+
+
+def gdn_inputs(gen, B=2, N=65, H=2, HV=4, K=128):
+    q, k = (torch.randn(B, N, H, K, generator=gen).bfloat16() for _ in range(2))
+    v = torch.randn(B, N, HV, K, generator=gen).bfloat16()
+    g = -torch.rand(B, N, HV, generator=gen)
+    beta = torch.rand(B, N, HV, generator=gen)
+    pool = torch.randn(3, HV, K, K, generator=gen)  # vLLM's [slots, HV, V, K]
+    meta = random_tree_metadata(gen, ["bushy"] * B, N)
+    return q, k, v, g, beta, pool.transpose(-1, -2), torch.tensor([2, 0]), meta
+
+
+def verify_kernel(kernel):
+    def call(gen):
+        q, k, v, g, beta, state, slots, meta = gdn_inputs(gen)
+        out = chunk_triton.verify_triton(q, k, v, g, beta, state, slots, meta, 128 ** -0.5,
+                                         True, DEFAULT_PRECISION, kernel=kernel)
+        if kernel == "tile":  # the commit consumes a verify's output
+            gdn_tree_commit(state, slots, meta, out, torch.tensor([3, -1]), backend="triton")
+    return call
+
+
+def metadata(gen):
+    parents, num_nodes = random_tree_batch(gen, ["random", "chain"], 65)
+    tree_metadata.build_tree_metadata(parents, num_nodes, backend="triton")
+
+
+def recurrent(gen):
+    q, k, v, g, beta, state, slots, meta = gdn_inputs(gen, N=17)
+    fused_recurrent_gdn_tree(q, k, v, g, beta, state, slots, meta)
+
+
+def conv(gen):
+    B, N, C, W = 2, 17, 256, 4
+    meta = random_tree_metadata(gen, ["bushy"] * B, N)
+    x = torch.randn(B, N, 2 * C, generator=gen).bfloat16()[:, :, ::2]
+    weight, bias = torch.randn(C, W).bfloat16(), torch.randn(C).bfloat16()
+    state = torch.randn(3, W - 1, C).bfloat16().transpose(1, 2)
+    slots = torch.tensor([1, 2], dtype=torch.int32)
+    tree_conv1d(x, weight, bias, state, slots, meta, activation="silu", backend="triton")
+    tree_conv1d_commit(state, slots, x, meta, torch.tensor([5, 0]), backend="triton")
+
+
+def attention(gen):
+    num_nodes, prefix = (17, 9), (40, 3)
+    meta = random_tree_metadata(gen, ["bushy", "chain"], 17, num_nodes)
+    keys, values, table, _ = make_paged_batch(prefix, num_nodes, 2, 256, 16, "kv_stacked",
+                                              torch.bfloat16, gen)
+    q = torch.randn(2, 17, 12, 256, generator=gen).bfloat16()
+    prefix_lens = torch.tensor(prefix, dtype=torch.int32)
+    paged_tree_attention(q, keys[0], values[0], table, prefix_lens, meta, 256 ** -0.5,
+                         backend="triton")
+    tree_kv_commit(keys, values, table, prefix_lens, meta, torch.tensor([4, 8]),
+                   backend="triton")
+
+
+def pool(gen):
+    y = torch.randn(2, 4, 64, generator=gen)
+    table = torch.randn(100, 64, generator=gen).bfloat16()
+    ids = torch.randint(0, 100, (2, 4, 32), generator=gen)
+    pool_logits_log_softmax(y, table, ids, torch.randn(2, 4, 32, generator=gen),
+                            backend="triton")
+
+
+def weaver_step(gen):
+    R, C, w, P, D = 2, 24, 4, 32, 5
+    x = torch.randn(R * w, 64, generator=gen).bfloat16()
+    rms_norm(x, torch.randn(64), torch.randn(64), 1e-6, backend="triton")
+    ints = (lambda high: torch.randint(0, high, (R, C), generator=gen))
+    frontier = Frontier(torch.randn(R, C, generator=gen), ints(50), ints(5), ints(4),
+                        torch.randn(R, C, generator=gen))
+    tree = GrowingTree(*(torch.zeros(R, 9, dtype=dtype) for dtype in
+                         (torch.int64, torch.int64, torch.int64, torch.float32)),
+                       torch.ones(R, dtype=torch.int64))
+    pop_frontier(frontier, tree, w, D, backend="triton")
+    node = torch.randint(-1, 6, (R, w), generator=gen)
+    batch = ExpandBatch(node, node, node, torch.randint(0, D, (R, w), generator=gen),
+                        torch.randn(R, w))
+    push_children(frontier, 2, torch.randn(R, w, P, generator=gen), batch,
+                  torch.randint(0, 100, (R, D, P), generator=gen), 4, backend="triton")
+    paths = torch.full((R, 9, D + 1), -1, dtype=torch.int64)
+    extend_paths(paths, torch.zeros(R, 9, dtype=torch.int64), node, node, node,
+                 torch.ones(R, w, dtype=torch.int64), backend="triton")
+    q, k, v = (torch.randn(R, w, 4, 64, generator=gen).bfloat16() for _ in range(3))
+    prefix = [torch.randn(R, 7, 4, 64, generator=gen).bfloat16() for _ in range(2)]
+    nodes = [torch.randn(R, 12, 4, 64, generator=gen).bfloat16() for _ in range(2)]
+    kv_slot = torch.arange(w).expand(R, w).contiguous()
+    ancestors = torch.full((R, w, 6), -1, dtype=torch.int64)
+    node_attention(q, k, v, *prefix, *nodes, kv_slot, ancestors, None, None,
+                   backend="triton")
+
+
+CASES = {
+    **{f"gdn verify {kernel}": verify_kernel(kernel)
+       for kernel in chunk_triton.VERIFY_KERNELS},
+    "tree metadata": metadata, "gdn recurrent": recurrent, "tree conv": conv,
+    "tree attention": attention, "pool logits": pool, "weaver step": weaver_step,
+}
+
+
+def recorded_launches(case: str, gen, monkeypatch) -> list:
+    """(kernel function, args, kwargs) of every launch ``case`` makes, none of them run."""
+    launches = []
+
+    def record(kernel, *args, grid, warmup, **kwargs):
+        launches.append((kernel.fn, args, kwargs))
+
+    monkeypatch.setattr(InterpretedFunction, "run", record)
+    for module in GPU_CHOICE_MODULES:
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    CASES[case](gen)
+    monkeypatch.undo()
+    return launches
+
+
+def test_the_cases_launch_every_kernel(gen, monkeypatch):
+    kernels = {name for module_info in pkgutil.walk_packages(triton_ops.__path__, "triton_ops.")
+               for name, value in vars(importlib.import_module(module_info.name)).items()
+               if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
+    launched = {fn.__name__ for case in CASES
+                for fn, _, _ in recorded_launches(case, gen, monkeypatch)}
+    assert kernels == launched
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_launch_compiles_for_sm90(case, gen, monkeypatch):
+    launches = recorded_launches(case, gen, monkeypatch)
+    assert launches, f"{case} launched no kernel"
+    described = [describe_launch(*launch) for launch in launches]
+    unique = list({json.dumps(launch, sort_keys=True): launch for launch in described}.values())
+    done = subprocess.run([sys.executable, "-c", COMPILER], input=json.dumps(unique),
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("compiled") == len(unique)
