@@ -57,6 +57,9 @@ QWEN36_27B_TARGET = {
                         "partial_rotary_factor": 0.25},
     "tie_word_embeddings": False,
     "dtype": "bfloat16",
+    # As the published Qwen3.5/3.6 configs: vLLM then keeps the GDN states in fp32 (without
+    # it, bf16: stop 19's engine runs, whose state pages were half as large).
+    "mamba_ssm_dtype": "float32",
 }
 QWEN36_27B_DFLASH = {
     "architectures": ["DFlashDraftModel"],
