@@ -16,6 +16,7 @@ from vllm_tfm.drafting.builders import (
     build_chain,
     build_ddtree,
     build_sampled_tree,
+    sampled_call_widths,
     build_weaver_tree,
 )
 from vllm_tfm.drafting.tree import DraftTree
@@ -566,3 +567,37 @@ def test_bad_inputs_name_the_field():
     deep = DraftTree(**{**base, "max_depth": 0})
     with pytest.raises(ValueError, match="depths"):
         deep.validate()
+
+
+def test_sampled_tree_with_fixed_widths_is_the_same_tree_without_host_reads(monkeypatch):
+    """The graph-ready build: every depth's Weaver call at its largest width, no value read
+    on the host, the tree and its proposals bit-identical to the build that reads the
+    widths back."""
+    from host_reads import no_host_reads, run_as_on_cuda
+
+    cfg = WeaverConfig(d_model=32, d_embed=24, d_rank=16, num_layers=1, num_heads=2, mlp_dim=20,
+                       K=5, candidate_pool_size=8, layout="learned_pos", extra={})
+    weaver = random_weaver(cfg, seed=5)
+    gen = torch.Generator().manual_seed(12)
+    V, R, D, P, budget = 60, 3, 5, 8, 12
+    weaver.prepare_tables(torch.randn(V, 24, generator=gen), torch.randn(V, 32, generator=gen) / 4)
+    roots, ids, logits = make_pools(gen, R, D, P, V)
+    h_v, hidden = torch.randn(R, 32, generator=gen), torch.randn(R, D, 32, generator=gen)
+    seeds = torch.tensor([7, 8, 9])
+
+    def build(fixed: bool):
+        session = weaver.start_round(h_v, hidden, ids, logits * 3, max_nodes=budget + 1,
+                                     validate=False)
+        return build_sampled_tree(roots, ids, logits, budget, seeds, session=session,
+                                  validate=False, fixed_widths=fixed)
+
+    run_as_on_cuda(monkeypatch)
+    read_back = build(False)
+    with no_host_reads():
+        fixed = build(True)
+    for f in fields(DraftTree):
+        x = getattr(read_back, f.name)
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, getattr(fixed, f.name)), f.name
+    assert sampled_call_widths(12, 5, 8) == [1, 8, 10, 9, 8]
+    assert sampled_call_widths(2, 4, 3) == [1, 1, 0, 0]

@@ -287,6 +287,7 @@ def build_sampled_tree(
     session: ExpandSession | None = None,
     validate: bool = True,
     constraint: ChildConstraint | None = None,
+    fixed_widths: bool = False,
 ) -> DraftTree:
     """A tree whose children are SAMPLED from the drafter: the exact input of traversal.
 
@@ -310,6 +311,10 @@ def build_sampled_tree(
     ``constraint``: q at each expanded node is restricted to the candidates it
     allows there and renormalized, so the children are drawn from (and
     ``proposal_logq`` holds) that restricted q; the shape stays the marginals'.
+
+    ``fixed_widths``: each depth's call expands the most nodes that depth can hold
+    (``sampled_call_widths``) instead of the widths read back from the device: the same
+    tree (the extra rows are padding), no host read, so a CUDA graph can hold the build.
     """
     _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
     R, D, P = pool_ids.shape
@@ -329,7 +334,10 @@ def build_sampled_tree(
     internal = has_child[:, :N] & valid
     levels = torch.arange(D, device=device)[:, None]
     per_depth = internal[:, None, :] & (depth[:, None, :] == levels)  # [R, D, N]
-    widths = per_depth.sum(-1).amax(0).tolist()  # one host read: call widths per depth
+    if fixed_widths:
+        widths = sampled_call_widths(budget, D, P)
+    else:  # one host read: call widths per depth
+        widths = per_depth.sum(-1).amax(0).tolist()
 
     tokens, logq = tree.tokens.clone(), tree.draft_logq.clone()
     proposal = torch.full((R, N + 1, P), float("-inf"), device=device)
@@ -379,6 +387,13 @@ def build_sampled_tree(
         pool_ids=pool_ids,
         proposal_logq=proposal[:, :N].contiguous(),
     )
+
+
+def sampled_call_widths(budget: int, depth: int, pool: int) -> list[int]:
+    """Per depth d < ``depth``, the most expanded nodes a tree of ``budget`` nodes after
+    the root can hold there: min(pool^d, budget - d). An expanded node at depth d has a
+    child at d + 1, and depths 1..d + 1 take at least one of the budget's nodes each."""
+    return [min(pool ** d, max(budget - d, 0)) for d in range(depth)]
 
 
 def _renormalized(rows: torch.Tensor) -> torch.Tensor:
