@@ -111,14 +111,16 @@ PEELED_KERNELS = ("peeled_tile", "peeled_split")
 #     64  1     48   32.6    48.4
 #     65  1     48   50.0    63.2
 #    128  1     48  103.4    73.7
+#     64  8    384  198.2   172.4
 #     64 32   1536  950.6   594.1
 #
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
-# 4-warp program, where it spills; the split solves once per head. Not measured yet: 384
-# heads (B = 8), 65..80 nodes at B > 1, the peeled tile kernel at any batch
-# (``tools/bench_kernels.py --kernels tile,peeled_tile,split``), the peeled split at any
-# shape (``--kernels split,peeled_split``).
+# 4-warp program, where it spills; the split solves once per head. At 384 heads the split
+# wins at 64 nodes, but the peeled tile kernel wins at 65 (282.8 against the unpeeled
+# split's 314.2, "Stop 18 device calls"), and 17 and 33 nodes at 384 heads (the rule's
+# trees at B = 8) are unmeasured, so the threshold stays at 512. Peeled against plain
+# split at 65 nodes: 374.4 / 614.2 us at B = 16, 706.2 / 1194.9 at B = 32 ("Stop 19").
 SPLIT_MIN_HEADS = 512
 
 
@@ -126,9 +128,8 @@ def default_verify_kernel(N: int, heads: int) -> str:
     """The verify kernel for N nodes and B * HV heads: a tile kernel for small batches of
     up to TILE_DISPATCH_MAX_NODES nodes (one launch, no workspace), the split otherwise;
     each peeled where that shrinks its row blocks (:func:`peel_shrinks_tile`,
-    :func:`peel_shrinks_split`). The peeled split is not measured on the GPU yet: the pick
-    rests on the row count (65 nodes, the engine's tree at batch 16 or 32: 64 workspace rows
-    instead of 128, against one extra recurrent step per program)."""
+    :func:`peel_shrinks_split`; 65 nodes at batch 16 or 32: 64 workspace rows instead of
+    128, 1.6-1.7x faster on the H200)."""
     if N > TILE_DISPATCH_MAX_NODES or heads >= SPLIT_MIN_HEADS:
         return "peeled_split" if peel_shrinks_split(N) else "split"
     return "peeled_tile" if peel_shrinks_tile(N) else "tile"
