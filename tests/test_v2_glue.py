@@ -13,7 +13,6 @@ import torch
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 from vllm_tfm.drafting.verifiers import verify_greedy
-from vllm_tfm.vllm_glue.verify import node_logits
 from vllm_tfm.vllm_glue.v2 import choice
 from vllm_tfm.vllm_glue.v2.trees import (
     SlotTrees,
@@ -26,6 +25,7 @@ from vllm_tfm.vllm_glue.v2.verify import (
     sampled_tokens,
     verify_batch,
 )
+from vllm_tfm.vllm_glue.verify import node_logits
 
 VOCAB, DEPTH, POOL, BUDGET = 40, 3, 4, 5
 

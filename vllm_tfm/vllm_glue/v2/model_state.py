@@ -45,13 +45,13 @@ from vllm_tfm.vllm_glue.v2.trees import (
     batch_tree_step,
     restore_linear_positions,
 )
-from vllm_tfm.vllm_glue.verify import node_logits
 from vllm_tfm.vllm_glue.v2.verify import (
     path_logprobs,
     sampled_tokens,
     step_seeds,
     verify_batch,
 )
+from vllm_tfm.vllm_glue.verify import node_logits
 
 
 class TreeModelState(MambaHybridModelState):
