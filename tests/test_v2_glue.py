@@ -5,6 +5,7 @@ need vLLM 0.33's GPU runner (TreeModelState, TreeSpeculator) run on the H200 onl
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -148,13 +149,20 @@ def test_node_logits_take_each_requests_last_rows():
 
 def test_node_logits_of_a_full_batch_are_the_logits_by_node():
     """A uniform decode batch (every request ``width`` rows): the same rows as the gather,
-    float32 from bf16 logits, without the gather's copies."""
+    a view of the bf16 logits (no copy), whose greedy verification is the float32 one."""
     logits = torch.randn(12, 5).bfloat16()
     ends, counts = torch.tensor([4, 8, 12]), torch.full((3,), 4)
     full = node_logits(logits, ends, counts, 4, full=True)
-    assert full.dtype == torch.float32 and full.shape == (3, 4, 5)
+    assert full.dtype == torch.bfloat16 and full.shape == (3, 4, 5)
+    assert full.data_ptr() == logits.data_ptr()
     assert torch.equal(full, node_logits(logits, ends, counts, 4))
-    assert torch.equal(full.flatten(0, 1), logits.float())
+    tree = _trees(11, 3)
+    rows = torch.randn(3, tree.max_nodes, VOCAB).bfloat16()
+    rows.scatter_(2, tree.tokens.roll(-1, 1)[..., None], 4.0)  # paths to accept
+    rows[0, 0, :2] = 9.0  # a tie: both dtypes take the first maximum
+    got, want = verify_greedy(tree, rows), verify_greedy(tree, rows.float())
+    for field in dataclasses.fields(got):
+        assert torch.equal(getattr(got, field.name), getattr(want, field.name)), field.name
 
 
 def test_verify_batch_greedy_is_the_greedy_verifier_and_sampled_rows_accept_paths():

@@ -66,23 +66,23 @@ _DETERMINISTIC_TREE_VERIFIERS = {
 
 def node_logits(logits: torch.Tensor, ends: torch.Tensor, num_nodes: torch.Tensor,
                 width: int, full: bool = False) -> torch.Tensor:
-    """[R, width, V] float32 logits of each node: request r's rows ends[r] - n_r + j,
-    zeros past its n_r nodes (``width`` is the trees' N, which every tree of a step may
-    leave partly empty: a grammar prunes them, a frontier runs dry). ``full``: every
-    request scores ``width`` rows back to back (a uniform decode batch, host-known), so
-    the result is ``logits`` itself viewed by node, converted once. Otherwise rows are
-    gathered in ``logits``' own dtype before the conversion: at 32 requests of 17 nodes and
-    a 248k vocabulary each float32 copy is 540 MB."""
+    """[R, width, V] logits of each node, in ``logits``' dtype: request r's rows
+    ends[r] - n_r + j, zeros past its n_r nodes (``width`` is the trees' N, which every
+    tree of a step may leave partly empty: a grammar prunes them, a frontier runs dry).
+    ``full``: every request scores ``width`` rows back to back (a uniform decode batch,
+    host-known), so the result is ``logits`` itself viewed by node, no copy. Consumers
+    convert what they need: greedy verification takes the argmax of the bf16 rows as they
+    are (the float32 copy of 32 requests of 17 nodes over a 248k vocabulary is 540 MB)."""
     vocab = logits.shape[-1]
     if full:
-        return logits.view(-1, width, vocab).float()
+        return logits.view(-1, width, vocab)
     ends = ends.to(logits.device).long()
     count = num_nodes.to(logits.device).long()
     node = torch.arange(width, device=logits.device)
     rows = (ends - count).view(-1, 1) + node
     valid = node < count.view(-1, 1)
     # where, not a product: a grammar-masked row holds -inf, and -inf * 0 is NaN.
-    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0).float()
+    return torch.where(valid[..., None], logits[torch.where(valid, rows, 0)], 0)
 
 
 def _node_histories(output_token_ids: list[list[int]], tree: DraftTree) -> list[list[int]]:

@@ -220,8 +220,9 @@ class TreeRejectionSampler:
         num_logprobs = sampling.max_num_logprobs(slots_np)
         if num_logprobs != NO_LOGPROBS:
             mode = sampler.logprobs_mode
+            scored = processed if mode in PROCESSED_LOGPROBS_MODES else raw
             logprobs = path_logprobs(
-                processed if mode in PROCESSED_LOGPROBS_MODES else raw, result.path, sampled,
+                scored.float(), result.path, sampled,
                 num_sampled, input_batch.cu_num_logits, input_batch.cu_num_logits_np,
                 num_logprobs, logits_mode=mode in ("raw_logits", "processed_logits"))
         return SamplerOutput(
