@@ -201,4 +201,3 @@ def test_kernel_on_cuda_equals_torch_build(max_nodes, gen):
     for field in dataclasses.fields(kernel):
         got, want = getattr(kernel, field.name), getattr(torch_build, field.name)
         assert got.dtype == want.dtype and torch.equal(got, want), field.name
-

@@ -430,13 +430,17 @@ def engine_budgets(settings, budgets: tuple[int, ...],
     return [(budget, rule, group) for (budget, rule), group in by_engine.items()]
 
 
+def async_note(entry: dict) -> str:
+    """The label suffix of an engine (or its rows) that asked for async scheduling."""
+    return ", async scheduling" if entry.get("async_scheduling") else ""
+
+
 def engine_label(result: dict) -> str:
     budget = result.get("engine_budget")
     if budget is None:
         return result["method"]
     rule = ", rule" if result.get("engine_rule") else ""
-    overlap = ", async scheduling" if result.get("async_scheduling") else ""
-    return f"{result['method']} (k = {budget}{rule}{overlap})"
+    return f"{result['method']} (k = {budget}{rule}{async_note(result)})"
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
@@ -612,10 +616,9 @@ def _f(value, pattern=".2f") -> str:
 def label(row: dict) -> str:
     if row["method"] != TFM:
         return row["method"]
-    overlap = ", async scheduling" if row.get("async_scheduling") else ""
     if row["budget"] is None:
-        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{overlap})"
-    return f"dflash_tfm {row['tree']} {row['budget']}{overlap}"
+        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{async_note(row)})"
+    return f"dflash_tfm {row['tree']} {row['budget']}{async_note(row)}"
 
 
 def batch_label(row: dict) -> str:
