@@ -68,12 +68,12 @@ def test_projection_is_tau_times_batch_over_the_period_against_plain_and_chain()
     assert rule["tok_s ours"] == pytest.approx(ours[("weaver", 16)] * 8 / 30.0 * 1e3)
     assert speed.best_budgets(rows) == {"1024": {1: 64, 8: 16}}
     assert speed.label(rule) == "dflash_tfm weaver rule (16)"
-    # An engine asking for async scheduling is told apart, in its rows and its label.
-    overlapped = {"method": TFM, "engine_budget": 64, "engine_rule": True,
-                  "async_scheduling": True, "cells": [_cell(8, 28.0, "weaver", None)]}
-    row = speed.project([*_results(), overlapped], ours, max_budget=127)[-1]
-    assert speed.label(row) == "dflash_tfm weaver rule (16, async scheduling)"
-    assert speed.engine_label(overlapped) == "dflash_tfm (k = 64, rule, async scheduling)"
+    # An engine that turned async scheduling off is told apart, in its rows and its label.
+    sync = {"method": TFM, "engine_budget": 64, "engine_rule": True,
+            "sync_scheduling": True, "cells": [_cell(8, 28.0, "weaver", None)]}
+    row = speed.project([*_results(), sync], ours, max_budget=127)[-1]
+    assert speed.label(row) == "dflash_tfm weaver rule (16, sync scheduling)"
+    assert speed.engine_label(sync) == "dflash_tfm (k = 64, rule, sync scheduling)"
 
 
 def test_report_writes_the_table_and_the_json(tmp_path):

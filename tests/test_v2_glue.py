@@ -211,3 +211,31 @@ def test_async_scheduling_is_taken_on_v2_only():
     _check_async_scheduling(None, "v1")
     with pytest.raises(ValueError, match="async_scheduling must be False .* model runner V1"):
         _check_async_scheduling(True, "v1")
+
+
+@pytest.mark.parametrize(("runner", "given", "handed"), [
+    ("v2", None, None), ("v2", False, False), ("v2", True, True), ("v1", None, False),
+    ("v1", False, False)])
+def test_engine_config_keeps_async_scheduling_on_v2_only(monkeypatch, runner, given, handed):
+    """vLLM's create_engine_config sees the user's async_scheduling on V2 (unset: vLLM's
+    default, on) and False on V1; the engine args get their value back afterwards."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_tfm.vllm_glue import config
+
+    class Handed(Exception):
+        pass
+
+    def create_engine_config(engine_args):
+        raise Handed(engine_args.async_scheduling)
+
+    monkeypatch.setattr(config, "_on_cpu", lambda: False)
+    monkeypatch.setattr(config, "choose_runner", lambda engine_args: runner)
+    monkeypatch.setattr(config, "select_model_runner", lambda chosen: None)
+    engine_args = EngineArgs(model="unused", async_scheduling=given, speculative_config={
+        "method": "dflash_tfm", "model": "unused", "num_speculative_tokens": 7,
+        "tree": "chain"})
+    with pytest.raises(Handed) as raised:
+        config.wrap_create_engine_config(create_engine_config)(engine_args)
+    assert raised.value.args == (handed,)
+    assert engine_args.async_scheduling is given

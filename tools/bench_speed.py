@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rule-only", action="store_true",
                         help="dflash_tfm by its batch-size-aware rule alone (the engine a user "
                              "gets), no engine pinned to a budget")
-    parser.add_argument("--tfm-async-scheduling", action="store_true",
-                        help="dflash_tfm engines ask for async scheduling (model runner V2 "
-                             "takes it, opt-in); the baselines keep vLLM's default")
+    parser.add_argument("--tfm-sync-scheduling", action="store_true",
+                        help="dflash_tfm engines turn async scheduling off (on model runner "
+                             "V2 it is on by default, as for the baselines)")
     parser.add_argument("--merge", nargs="+", type=Path,
                         help="only write OUT's report from these runs' bench_speed.json "
                              "(each method from the last run that measured it)")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
                args.work, args.deadline_s, args.profile, args.rule_only,
-               args.tfm_async_scheduling)
+               args.tfm_sync_scheduling)
     print(text)
     return 1 if "FAILED:" in text else 0
 

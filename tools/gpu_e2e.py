@@ -81,9 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--runner", choices=RUNNERS, default="v1",
                      help="the model runner every configuration runs on (v2: dflash_tfm "
                           "through vllm_glue/v2)")
-    run.add_argument("--tfm-async-scheduling", action="store_true",
-                     help="dflash_tfm engines ask for async scheduling (model runner V2 "
-                          "takes it, opt-in); the baselines keep vLLM's default")
+    run.add_argument("--tfm-sync-scheduling", action="store_true",
+                     help="dflash_tfm engines turn async scheduling off (on model runner "
+                          "V2 it is on by default, as for the baselines)")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     set_harness_env()
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
-                   args.configs, args.cudagraphs, args.runner, args.tfm_async_scheduling)
+                   args.configs, args.cudagraphs, args.runner, args.tfm_sync_scheduling)
 
 
 if __name__ == "__main__":

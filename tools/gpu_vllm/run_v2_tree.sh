@@ -4,7 +4,7 @@
 #
 #   run(command="bash tools/gpu_vllm/run_v2_tree.sh [STAGE...]", carry=[".gpu-vllm-0.33.0"])
 #
-# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default, 5-budget-by-batch, 6-async (default:
+# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default, 5-budget-by-batch, 6-sync (default:
 # the first five, longer than one call should be: stage 3 alone is ~3-4 minutes, stages
 # 1 + 2 ~4-5, stage 4 ~3, stage 5 ~3-4, stage 6 ~3).
 #
@@ -26,9 +26,10 @@
 # Stage 5: the batch-size-aware budget through vLLM's dynamic speculative decoding
 #          (tools/gpu_vllm/v2_dynsd_check.py says what it checks): FULL graphs replayed at
 #          every query length 1 + k of the schedule, greedy vs no speculation.
-# Stage 6: stage 2's weaver check with dflash_tfm asking for async scheduling (V2 takes it
-#          opt-in; vllm_glue/config.py): greedy equal to no speculation up to bf16 ties, the
-#          sampled run complete, tree steps replaying FULL graphs.
+# Stage 6: stage 2's weaver check with dflash_tfm turning async scheduling off (on V2 it is
+#          on by default, so stages 1-5 run with it; vllm_glue/config.py): greedy equal to no
+#          speculation up to bf16 ties, the sampled run complete, tree steps replaying FULL
+#          graphs.
 # Each stage writes $OUT/<stage>/ (gpu_e2e.{md,json} or v2_sampling.{md,json}) and
 # $OUT/<stage>.log; a summary is printed last. Setup ~30 s, each engine ~30-60 s.
 set -u
@@ -65,7 +66,7 @@ stage 3-sampling 270 python3 tools/gpu_v2_sampling.py --models "$MODELS" \
 stage 4-default 280 e2e --cudagraphs default --configs "weaver B=7" --staggered --deadline-s 200
 stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$MODELS" \
     --out "$OUT/5-budget-by-batch" --max-tokens 32
-stage 6-async 280 e2e --cudagraphs full-decode --configs "weaver B=7" --tfm-async-scheduling \
+stage 6-sync 280 e2e --cudagraphs full-decode --configs "weaver B=7" --tfm-sync-scheduling \
     --deadline-s 200
 
 echo; echo "== summary"

@@ -430,9 +430,9 @@ def engine_budgets(settings, budgets: tuple[int, ...],
     return [(budget, rule, group) for (budget, rule), group in by_engine.items()]
 
 
-def async_note(entry: dict) -> str:
-    """The label suffix of an engine (or its rows) that asked for async scheduling."""
-    return ", async scheduling" if entry.get("async_scheduling") else ""
+def sync_note(entry: dict) -> str:
+    """The label suffix of an engine (or its rows) that turned async scheduling off."""
+    return ", sync scheduling" if entry.get("sync_scheduling") else ""
 
 
 def engine_label(result: dict) -> str:
@@ -440,17 +440,17 @@ def engine_label(result: dict) -> str:
     if budget is None:
         return result["method"]
     rule = ", rule" if result.get("engine_rule") else ""
-    return f"{result['method']} (k = {budget}{rule}{async_note(result)})"
+    return f"{result['method']} (k = {budget}{rule}{sync_note(result)})"
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                deadline: float, log, budget: int | None = None,
                profile_dir: Path | None = None, rule_engine: bool = False,
-               tfm_async_scheduling: bool = False) -> dict:
+               tfm_sync_scheduling: bool = False) -> dict:
     """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``;
     on V2 pinned to it, or with ``rule_engine`` drafting by the default budget rule; with
-    ``tfm_async_scheduling`` asking for async scheduling, which V2 takes opt-in; the
-    baselines run vLLM's default, async on V2):
+    ``tfm_sync_scheduling`` turning async scheduling off; otherwise every engine runs
+    vLLM's default, async on V2):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
     setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
     at each batch size is also profiled (``profile_cell``) into a file there."""
@@ -473,13 +473,13 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
             query_lens = tuple(1 + k for k in TfmOptions(budget=max_budget).step_budgets)
         else:
             table = ((MAX_BATCH, max_budget),)
-    overlap = method == TFM and tfm_async_scheduling
+    sync = method == TFM and tfm_sync_scheduling
     llm = LLM(model=models["target"],
               speculative_config=speculative_config(method, models, max_budget, table),
               **engine_kwargs(shapes, runner, query_lens),
-              **({"async_scheduling": True} if overlap else {}))
+              **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
-              "async_scheduling": overlap,
+              "sync_scheduling": sync,
               "start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
     log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
@@ -582,13 +582,13 @@ def rule_budget(max_budget: int, batch: int) -> int:
 def project(results: list[dict], ours: dict, max_budget: int) -> list[dict]:
     """One row per measured cell with projected tokens/s per regime and the ratios to
     plain decoding and to vLLM's chain at the same context and batch."""
-    cells = [(r["method"], r.get("async_scheduling", False), cell)
+    cells = [(r["method"], r.get("sync_scheduling", False), cell)
              for r in results for cell in r["cells"]]
     period = {(m, c["context"], c["batch"], c["tree"], c["budget"]): c["period_ms"]
               for m, _, c in cells}
     rows = []
-    for method, overlap, cell in cells:
-        row = {"method": method, "async_scheduling": overlap, **cell}
+    for method, sync, cell in cells:
+        row = {"method": method, "sync_scheduling": sync, **cell}
         budget = cell["budget"]
         if method == TFM and budget is None:
             budget = rule_budget(max_budget, cell["batch"])
@@ -617,8 +617,8 @@ def label(row: dict) -> str:
     if row["method"] != TFM:
         return row["method"]
     if row["budget"] is None:
-        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{async_note(row)})"
-    return f"dflash_tfm {row['tree']} {row['budget']}{async_note(row)}"
+        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{sync_note(row)})"
+    return f"dflash_tfm {row['tree']} {row['budget']}{sync_note(row)}"
 
 
 def batch_label(row: dict) -> str:
@@ -728,12 +728,12 @@ def merge_reports(paths: list[Path], out: Path) -> str:
 
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
         out: Path, work: Path, deadline_s: float, profile: bool = False,
-        rule_only: bool = False, tfm_async_scheduling: bool = False) -> str:
+        rule_only: bool = False, tfm_sync_scheduling: bool = False) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
     report is rewritten after each. ``profile``: each engine's first cell at each batch
     size profiled too. ``rule_only``: dflash_tfm by its batch-size-aware rule alone (the
-    engine a user gets), no engine pinned to a budget. ``tfm_async_scheduling``: the
-    dflash_tfm engines ask for async scheduling (``run_method``)."""
+    engine a user gets), no engine pinned to a budget. ``tfm_sync_scheduling``: the
+    dflash_tfm engines turn async scheduling off (``run_method``)."""
     for key, value in ENGINE_ENV.items():
         os.environ.setdefault(key, value)
     import torch
@@ -775,7 +775,7 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
             results.append(run_method(method, models, shapes, runner, settings,
                                       started + deadline_s, log, budget,
                                       out if profile else None, rule,
-                                      tfm_async_scheduling))
+                                      tfm_sync_scheduling))
         except Exception as error:  # keep the other engines' numbers
             import traceback
 

@@ -158,10 +158,10 @@ def count_v2_graph_dispatch(counts=LAUNCHES, key=_dispatch_key) -> None:
 
 
 def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: int,
-                   cudagraphs: str, runner: str, use, tfm_async_scheduling: bool = False):
+                   cudagraphs: str, runner: str, use, tfm_sync_scheduling: bool = False):
     """``use(llm)`` on an `LLM` of the models of `build` (ENGINE_KWARGS, the --cudagraphs
-    settings, model runner ``runner``; ``tfm_async_scheduling``: a dflash_tfm engine asks for
-    async scheduling, which V2 takes opt-in, the others keep vLLM's default), freed
+    settings, model runner ``runner``; ``tfm_sync_scheduling``: a dflash_tfm engine turns
+    async scheduling off, the others keep vLLM's default, on for V2), freed
     afterwards: (what it returned, the seconds the engine took to start)."""
     import torch
     from vllm import LLM
@@ -173,7 +173,7 @@ def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: 
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
               **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
                  **CUDA_GRAPH_SETTINGS[cudagraphs],
-                 **({"async_scheduling": True} if tfm and tfm_async_scheduling else {})})
+                 **({"async_scheduling": False} if tfm and tfm_sync_scheduling else {})})
     start_s = time.perf_counter() - started
     try:
         return use(llm), start_s
@@ -189,7 +189,7 @@ def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: 
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
                max_tokens: list[int], with_margins: bool, max_num_seqs: int,
                cudagraphs: str = "off", runner: str = "v1",
-               tfm_async_scheduling: bool = False) -> dict:
+               tfm_sync_scheduling: bool = False) -> dict:
     """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
     runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     from vllm import SamplingParams
@@ -212,7 +212,7 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
         return result
 
     result, start_s = on_tiny_engine(models, speculative_config, max_num_seqs, cudagraphs,
-                                     runner, runs, tfm_async_scheduling)
+                                     runner, runs, tfm_sync_scheduling)
     return {"start_s": start_s, **result}
 
 
@@ -275,7 +275,7 @@ def tree_kernels_ran_eagerly(launches: dict, models: Path) -> bool:
 
 def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
             config_words: list[str] | None, cudagraphs: str = "off",
-            runner: str = "v1", tfm_async_scheduling: bool = False) -> int:
+            runner: str = "v1", tfm_sync_scheduling: bool = False) -> int:
     import torch
     import triton
 
@@ -306,7 +306,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
               f"tau = mean accepted length incl. bonus (vLLM spec-decode counters); "
               f"CUDA graphs {cudagraphs}: {CUDA_GRAPH_SETTINGS[cudagraphs] or 'enforce_eager'}; "
               f"model runner {runner.upper()}"
-              f"{'; dflash_tfm with async scheduling' if tfm_async_scheduling else ''}")
+              f"{'; dflash_tfm with sync scheduling' if tfm_sync_scheduling else ''}")
     print(header, flush=True)
     started = time.perf_counter()
     rows: list[dict] = []
@@ -325,7 +325,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         try:
             result = run_config(models, config, prompts, lengths, with_margins=config is None,
                                 max_num_seqs=max_num_seqs, cudagraphs=cudagraphs,
-                                runner=runner, tfm_async_scheduling=tfm_async_scheduling)
+                                runner=runner, tfm_sync_scheduling=tfm_sync_scheduling)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})

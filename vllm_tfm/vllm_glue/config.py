@@ -88,9 +88,10 @@ def wrap_create_engine_config(original):
         self.speculative_config = vllm_spec
         # GDN states advance along the accepted path only, in place: prefix
         # caching's state checkpoints ("align" mode) do not apply to trees. Async
-        # scheduling: V2 only, when asked for (see _check_async_scheduling).
+        # scheduling: V2 keeps the user's choice (unset: vLLM's default, on); V1 never.
         self.enable_prefix_caching = False
-        self.async_scheduling = bool(self.async_scheduling) and runner == "v2"
+        if runner != "v2":
+            self.async_scheduling = False
         self.additional_config = {
             **(self.additional_config or {}),
             ADDITIONAL_CONFIG_KEY: options.to_dict(),
@@ -192,9 +193,8 @@ def choose_runner(engine_args) -> str:
 def _check_async_scheduling(async_scheduling: bool | None, runner: str) -> None:
     """Async scheduling prepares step n + 1 while step n runs, so the host's token
     counts are upper bounds. Model runner V2's tree steps read the device's counts and
-    take it; V1's read the host's and refuse it. On V2 it is opt-in (``True``; vLLM's
-    default ``None`` leaves it off) until a GPU check shows greedy output equal to no
-    speculation with it (BENCHMARKS.md, stop 19: the ~5 ms a step it would hide)."""
+    take it, on by default as for vLLM's own methods (greedy output equal to no
+    speculation on the H200, BENCHMARKS.md stop 20); V1's read the host's and refuse it."""
     if async_scheduling and runner != "v2":
         raise ValueError(
             f"async_scheduling must be False with speculative method '{METHOD}' on model "
