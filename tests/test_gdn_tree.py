@@ -263,7 +263,7 @@ def test_default_verify_kernel_weighs_nodes_and_batch():
     """A tile kernel up to 80 nodes while the batch is small, the split past either; each
     peeled where node 0 alone spills into a larger block (the engine's root + power-of-two
     budget trees)."""
-    heads = chunk_triton.SPLIT_MIN_HEADS
+    heads, large = chunk_triton.SPLIT_MIN_HEADS, chunk_triton.SPLIT_MIN_HEADS_LARGE
     assert chunk_triton.default_verify_kernel(16, 48) == "tile"
     assert chunk_triton.default_verify_kernel(64, 48) == "tile"
     for N in (17, 33, 65):  # budgets 16, 32, 64
@@ -271,11 +271,17 @@ def test_default_verify_kernel_weighs_nodes_and_batch():
         assert chunk_triton.default_verify_kernel(N, heads) == "peeled_split", N
     assert chunk_triton.default_verify_kernel(66, 48) == "tile"  # 65 rows after the root: no block saved
     assert chunk_triton.default_verify_kernel(66, heads) == "split"
-    assert chunk_triton.default_verify_kernel(80, heads - 1) == "tile"
+    assert chunk_triton.default_verify_kernel(80, large - 1) == "tile"
     assert chunk_triton.default_verify_kernel(81, 48) == "split"
     assert chunk_triton.default_verify_kernel(128, 48) == "split"
     assert chunk_triton.default_verify_kernel(129, 48) == "peeled_split"
     assert chunk_triton.default_verify_kernel(64, heads) == "split"
+    # B = 8 at HV = 48: the split from 64 nodes, the tile kernel below (measured cells).
+    assert chunk_triton.default_verify_kernel(17, large) == "peeled_tile"
+    assert chunk_triton.default_verify_kernel(63, large) == "tile"
+    assert chunk_triton.default_verify_kernel(64, large) == "split"
+    assert chunk_triton.default_verify_kernel(65, large) == "peeled_split"
+    assert chunk_triton.default_verify_kernel(65, large - 1) == "peeled_tile"
 
 
 def test_peel_shrinks_split_at_a_root_and_a_power_of_two():

@@ -102,26 +102,31 @@ VERIFY_KERNELS = ("tile", "peeled_tile", "split", "peeled_split")
 TILE_KERNELS = ("tile", "peeled_tile")
 PEELED_KERNELS = ("peeled_tile", "peeled_split")
 # (request, value head) pairs, B * HV, from which the split runs instead of the tile
-# kernel. The rule rests on these cells, measured on the H200 (BENCHMARKS.md, "Stop 14
-# device calls" and "Stop 15 device calls"; bf16 inputs, HV = 48, K = V = 128, us per
-# layer under CUDA graphs):
+# kernel: SPLIT_MIN_HEADS for every tree, SPLIT_MIN_HEADS_LARGE for trees of
+# SPLIT_LARGE_NODES nodes and more. The rule rests on these cells, measured on the H200
+# (BENCHMARKS.md, "Stop 14", "Stop 15", "Stop 19" and "Stop 20 device calls"; bf16 inputs,
+# HV = 48, K = V = 128, fp32 state, us per layer under CUDA graphs; each kernel peeled
+# where the dispatch would peel it):
 #
 #     N   B  heads   tile   split
 #     16  1     48   12.1    15.9
 #     64  1     48   32.6    48.4
 #     65  1     48   50.0    63.2
 #    128  1     48  103.4    73.7
-#     64  8    384  198.2   172.4
+#     17  8    384   51.6    54.8
+#     64  8    384  184.6   172.9
+#     65  8    384  262.7   206.9
 #     64 32   1536  950.6   594.1
 #
 # The tile kernel re-solves each head's triangular system in every V block and at 512
 # heads and up runs BV = 128 (default_tile_config), a [64, 128] fp32 right-hand side per
 # 4-warp program, where it spills; the split solves once per head. At 384 heads the split
-# wins at 64 nodes, but the peeled tile kernel wins at 65 (282.8 against the unpeeled
-# split's 314.2, "Stop 18 device calls"), and 17 and 33 nodes at 384 heads (the rule's
-# trees at B = 8) are unmeasured, so the threshold stays at 512. Peeled against plain
-# split at 65 nodes: 374.4 / 614.2 us at B = 16, 706.2 / 1194.9 at B = 32 ("Stop 19").
+# wins from 64 nodes and loses at 17 (the rule's trees at B = 8); 33 is unmeasured and
+# stays with the tile kernel. Peeled against plain split at 65 nodes: 374.4 / 614.2 us at
+# B = 16, 706.2 / 1194.9 at B = 32 ("Stop 19").
 SPLIT_MIN_HEADS = 512
+SPLIT_MIN_HEADS_LARGE = 384
+SPLIT_LARGE_NODES = 64
 
 
 def default_verify_kernel(N: int, heads: int) -> str:
@@ -130,7 +135,8 @@ def default_verify_kernel(N: int, heads: int) -> str:
     each peeled where that shrinks its row blocks (:func:`peel_shrinks_tile`,
     :func:`peel_shrinks_split`; 65 nodes at batch 16 or 32: 64 workspace rows instead of
     128, 1.6-1.7x faster on the H200)."""
-    if N > TILE_DISPATCH_MAX_NODES or heads >= SPLIT_MIN_HEADS:
+    split_min_heads = SPLIT_MIN_HEADS_LARGE if N >= SPLIT_LARGE_NODES else SPLIT_MIN_HEADS
+    if N > TILE_DISPATCH_MAX_NODES or heads >= split_min_heads:
         return "peeled_split" if peel_shrinks_split(N) else "split"
     return "peeled_tile" if peel_shrinks_tile(N) else "tile"
 
