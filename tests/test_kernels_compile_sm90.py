@@ -30,6 +30,7 @@ import triton_ops.gdn_tree.chunk_triton as chunk_triton
 import triton_ops.tree_metadata as tree_metadata
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
+from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
 from triton_ops.testing import random_tree_batch, random_tree_metadata
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
@@ -134,6 +135,13 @@ def recurrent(gen):
     fused_recurrent_gdn_tree(q, k, v, g, beta, state, slots, meta)
 
 
+def gating(gen):
+    # a and b as the engine hands them over: strided columns of one bf16 projection.
+    ba = torch.randn(2, 17, 96, generator=gen).bfloat16()
+    gdn_gating(ba[..., :48], ba[..., 48:], torch.randn(48), torch.randn(48).bfloat16(),
+               backend="triton")
+
+
 def conv(gen):
     B, N, C, W = 2, 17, 256, 4
     meta = random_tree_metadata(gen, ["bushy"] * B, N)
@@ -197,7 +205,8 @@ def weaver_step(gen):
 CASES = {
     **{f"gdn verify {kernel}": verify_kernel(kernel)
        for kernel in chunk_triton.VERIFY_KERNELS},
-    "tree metadata": metadata, "gdn recurrent": recurrent, "tree conv": conv,
+    "tree metadata": metadata, "gdn recurrent": recurrent, "gdn gating": gating,
+    "tree conv": conv,
     "tree attention": attention, "pool logits": pool, "weaver step": weaver_step,
 }
 

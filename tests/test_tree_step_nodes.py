@@ -55,12 +55,13 @@ def masked_to_nodes(flat, rows):
     return by_node
 
 
-@pytest.mark.parametrize("num_drafts, prompt_rows", [
-    ([3, 0, 6, 1], 5),  # a prompt chunk, a decode without drafts, trees
-    ([4, 4], 1),  # a prompt chunk whose last token alone is scheduled
-    ([2, 7, 3], 0),  # trees only
+@pytest.mark.parametrize("num_drafts, prompt_rows, dense_start", [
+    ([3, 0, 6, 1], 5, None),  # a prompt chunk, a decode without drafts, trees
+    ([4, 4], 1, 1),  # a prompt chunk whose last token alone is scheduled, full trees
+    ([2, 7, 3], 0, None),  # trees only, of different sizes
+    ([5, 5, 5], 0, 0),  # a decode batch of full trees: what a FULL graph holds
 ])
-def test_tree_nodes_move_the_rows_of_each_tree(gen, num_drafts, prompt_rows):
+def test_tree_nodes_move_the_rows_of_each_tree(gen, num_drafts, prompt_rows, dense_start):
     step = mixed_step(gen, num_drafts, prompt_rows)
     first = 1 if prompt_rows else 0
     trees = [r + first for r, d in enumerate(num_drafts) if d > 0]
@@ -75,9 +76,13 @@ def test_tree_nodes_move_the_rows_of_each_tree(gen, num_drafts, prompt_rows):
     rows = step.token_rows[trees]
     by_node = nodes.to_nodes(flat)
     assert torch.equal(by_node, masked_to_nodes(flat, rows))
+    # Dense nodes move no data: a view of the flat rows.
+    assert nodes.dense_start == dense_start
+    assert (by_node.data_ptr() == flat[dense_start or 0].data_ptr()) == (dense_start is not None)
+    assert torch.equal(nodes.real_nodes(by_node), flat[nodes.rows])
     # Back to the batch rows: the attention output write.
     out = torch.zeros(total, 3, 2)
-    out.index_copy_(0, nodes.rows, nodes.real_nodes(by_node))
+    nodes.write_rows(out, by_node)
     reference = torch.zeros(total, 3, 2)
     reference[rows[rows >= 0]] = by_node[rows >= 0]
     assert torch.equal(out, reference)

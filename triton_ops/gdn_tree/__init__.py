@@ -1,4 +1,5 @@
-"""Gated DeltaNet over draft trees: ancestor-masked chunk verify, path commit, references."""
+"""Gated DeltaNet over draft trees: node gates, ancestor-masked chunk verify, path commit,
+references."""
 
 from triton_ops.gdn_tree.chunk import (
     GDNTreeVerifyOutput,
@@ -6,6 +7,7 @@ from triton_ops.gdn_tree.chunk import (
     gdn_tree_verify,
 )
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
+from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.gdn_tree.naive import naive_recurrent_gdn_tree
 
 __all__ = [
@@ -13,5 +15,6 @@ __all__ = [
     "gdn_tree_commit",
     "gdn_tree_verify",
     "fused_recurrent_gdn_tree",
+    "gdn_gating",
     "naive_recurrent_gdn_tree",
 ]

@@ -111,7 +111,7 @@ def tree_attention_rows(step, impl, query, kv_views, block_table, output) -> Non
         sliding_window=_sliding_window(impl.sliding_window),
         logits_soft_cap=impl.logits_soft_cap or None,  # vLLM writes 0 for "none"
     )
-    output.index_copy_(0, nodes.rows, nodes.real_nodes(out).to(output.dtype))
+    nodes.write_rows(output, out)
 
 
 def wrap_tree_attention_forward(original, key_value_views):

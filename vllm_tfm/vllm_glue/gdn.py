@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 
 from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord
@@ -29,7 +28,7 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
         conv_state: [slots, C, W-1] committed conv columns; ssm_state:
             [slots, HV, K, V]; slots: [R'] each sequence's state slot.
     """
-    from triton_ops.gdn_tree import gdn_tree_verify
+    from triton_ops.gdn_tree import gdn_gating, gdn_tree_verify
     from triton_ops.tree_conv import tree_conv1d
 
     meta = nodes.meta
@@ -42,10 +41,7 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     query = query.reshape(R, N, -1, layer.head_k_dim)
     key = key.reshape(R, N, -1, layer.head_k_dim)
     value = value.reshape(R, N, -1, layer.head_v_dim)
-    g = -torch.exp(layer.A_log.float()) * F.softplus(
-        nodes.to_nodes(a).float() + layer.dt_bias.float()
-    )
-    beta = torch.sigmoid(nodes.to_nodes(b).float())
+    g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True)
     step.gdn_records[layer.prefix] = GDNCommitRecord(

@@ -51,7 +51,10 @@ class RequestNodes:
     move rows between it and a flat token layout (the batch's, or a layer's spec rows).
 
     ``rows[v]`` and ``slots[v]`` pair the flat row of the v-th real node (request-major,
-    node order) with its place in the flattened [R' * N] layout.
+    node order) with its place in the flattened [R' * N] layout. When the nodes fill the
+    flat rows ``dense_start`` .. ``dense_start + R' * N`` in that order (every request has
+    N nodes, laid end to end: a decode batch of full trees, what every FULL graph holds),
+    both layouts are the same memory and the moves below are views, not launches.
     """
 
     requests: torch.Tensor  # [R'] int64, indices into the step's requests
@@ -59,17 +62,31 @@ class RequestNodes:
     prefix_lens: torch.Tensor  # [R'] int32
     rows: torch.Tensor  # [V] int64
     slots: torch.Tensor  # [V] int64
+    dense_start: int | None = None
 
     def to_nodes(self, flat: torch.Tensor) -> torch.Tensor:
-        """[T, ...] flat rows -> [R', N, ...] by node, zeros for padding."""
+        """[T, ...] flat rows -> [R', N, ...] by node, zeros for padding (a view of
+        ``flat`` when dense)."""
         R, N = self.meta.parents.shape
+        if self.dense_start is not None:
+            return flat[self.dense_start : self.dense_start + R * N].view(R, N, *flat.shape[1:])
         by_node = flat.new_zeros(R * N, *flat.shape[1:])
         by_node.index_copy_(0, self.slots, flat.index_select(0, self.rows))
         return by_node.view(R, N, *flat.shape[1:])
 
     def real_nodes(self, by_node: torch.Tensor) -> torch.Tensor:
         """[R', N, ...] -> [V, ...], the real nodes in ``rows`` order."""
+        if self.dense_start is not None:
+            return by_node.flatten(0, 1)
         return by_node.flatten(0, 1).index_select(0, self.slots)
+
+    def write_rows(self, flat: torch.Tensor, by_node: torch.Tensor) -> None:
+        """Write the real nodes of ``by_node`` [R', N, ...] into their rows of ``flat``."""
+        if self.dense_start is not None:
+            R, N = self.meta.parents.shape
+            flat[self.dense_start : self.dense_start + R * N].copy_(by_node.flatten(0, 1))
+        else:
+            flat.index_copy_(0, self.rows, self.real_nodes(by_node).to(flat.dtype))
 
 
 def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.ndarray,
@@ -86,12 +103,14 @@ def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.nd
     index = to_device(np.asarray(requests, dtype=np.int64), device)
     # Every request (a decode batch): the subset is the step itself, no copies.
     everyone = len(requests) == meta.batch_size
+    dense = len(rows) > 0 and bool((rows == rows[0] + slots).all())
     return RequestNodes(
         requests=index,
         meta=meta if everyone else select_requests(meta, index),
         prefix_lens=prefix_lens if everyone else prefix_lens.index_select(0, index),
         rows=to_device(rows.astype(np.int64), device),
         slots=to_device(slots.astype(np.int64), device),
+        dense_start=int(rows[0]) if dense and len(rows) == len(requests) * max_nodes else None,
     )
 
 
