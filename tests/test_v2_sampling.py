@@ -254,8 +254,8 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
         tree, torch.softmax(_chain_reference(sampler, tree, raw, slots, prefix)[0].double(), -1))
     draws = 20000
     many = tree.select(torch.zeros(draws, dtype=torch.long))
-    result = verify_batch(many, processed.expand(draws, -1, -1),
-                          np.full(draws, 0.8), torch.arange(draws) * 7919 + 11)
+    result = verify_batch(many, processed.expand(draws, -1, -1), np.full(draws, 0.8),
+                          np.zeros(draws, dtype=bool), torch.arange(draws) * 7919 + 11, "auto")
     seen: dict[tuple, int] = {}
     for out in result.output_tokens.tolist():
         key = tuple(t for t in out if t >= 0)
@@ -286,7 +286,8 @@ def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
             raw[r, j, tree.tokens[r, j]] += 16.0
     processed = process_node_rows(sampler, raw.flatten(0, 1).clone(), tree, prefix, slots,
                                   slots.numpy()).view_as(raw)
-    result = verify_batch(tree, processed, np.zeros(3), torch.arange(3))
+    result = verify_batch(tree, processed, np.zeros(3), np.zeros(3, dtype=bool), torch.arange(3),
+                          "auto")
     expected = _chain_reference(sampler, tree, raw, slots, prefix)
     for r in range(tree.batch_size):
         node, out = 0, []
@@ -342,7 +343,8 @@ def _tree_decode_step(tree, slots, prefix):
     num_nodes = torch.full((rows,), width, dtype=torch.int32)
     step = SimpleNamespace(meta=SimpleNamespace(num_nodes=num_nodes), prefix_lens=prefix,
                            num_nodes_host=num_nodes.numpy().astype(np.int64), accepted_leaf=None)
-    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
+    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store, verify="auto"),
+                            num_nodes=width)
     cu = np.arange(rows + 1, dtype=np.int32) * width
     batch = SimpleNamespace(
         num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
@@ -367,8 +369,8 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
     stored = store.gather(slots)
     expected = verify_batch(
         stored, _chain_reference(sampler, stored, raw, slots, prefix),
-        sampler.sampling_states.temperature.np[slots.numpy()],
-        step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix))
+        sampler.sampling_states.temperature.np[slots.numpy()], np.zeros(rows, dtype=bool),
+        step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
@@ -440,6 +442,7 @@ def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypat
     states = sampler.sampling_states
     expected = verify_batch(tree, _chain_reference(sampler, tree, raw, slots, prefix),
                             states.temperature.np[slots.numpy()],
-                            step_seeds(states.seeds.gpu[slots], prefix))
+                            np.zeros(tree.batch_size, dtype=bool),
+                            step_seeds(states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()

@@ -166,13 +166,15 @@ def target_only_walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tenso
 
 
 def verify_traversal(
-    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True
+    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True,
+    max_children: int | None = None,
 ) -> VerifyResult:
     """Traversal verification; sibling order sampled on deterministic trees.
 
     On a deterministic tree each node's children are visited in the order of
     ``draft_logq + Gumbel`` (sampling without replacement from q restricted to
     the children); sampled trees are visited in their sample (node) order.
+    ``max_children``: see :func:`traversal_plan`.
     """
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
@@ -180,7 +182,7 @@ def verify_traversal(
     keys = None
     if not tree.sampled:
         keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes)
-    plan = traversal_plan(tree, probs, keys)
+    plan = traversal_plan(tree, probs, keys, max_children)
     return traversal_walk(
         tree,
         plan,
@@ -195,7 +197,8 @@ OUTSIDE_MASS_FLOOR = 1e-12
 
 
 def traversal_plan(
-    tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None
+    tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None,
+    max_children: int | None = None,
 ) -> TraversalPlan:
     """Traversal verification's exact outcome law on a realised tree.
 
@@ -239,11 +242,15 @@ def traversal_plan(
         probs: [R, N, V] target probabilities per node.
         sibling_keys: [R, N] visiting-order keys, deterministic trees only;
             None visits children in node order.
+        max_children: a bound on any node's child count, known on the host: the plan then
+            reads nothing back from the device (its loops run max_depth + 1 levels of
+            ``max_children`` siblings). None: both counts are read back once, so the loops
+            are as short as the trees allow.
     """
     R, N = tree.tokens.shape
     device = tree.tokens.device
     batch = torch.arange(R, device=device)[:, None, None]
-    children, _ = tree.children()
+    children, _ = tree.children(max_children)
     K = children.shape[2]
     present = children >= 0
     if sibling_keys is not None:
@@ -284,7 +291,7 @@ def traversal_plan(
     # would give the walk a ~1e-13 chance to stop where no bonus token has mass.
     outside = torch.where(outside > OUTSIDE_MASS_FLOOR, outside, 0.0)
 
-    levels = int(tree.depths.max()) + 1  # one host read
+    levels = tree.max_depth + 1 if max_children is not None else int(tree.depths.max()) + 1
     flat_children = torch.where(present, children, N).view(R, -1)
     alpha = torch.zeros(R, N, dtype=torch.float64, device=device)
     alpha[:, 0] = 1
