@@ -41,20 +41,25 @@ STEPS = [(3, 4), (5, 5), (1, 2), (6, 6), (2, 4)]
 
 
 def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,), verify: str = "auto",
-                max_reqs: int = MAX_REQS) -> TreeSpeculator:
+                max_reqs: int = MAX_REQS, budget: int = BUDGET, depth: int = D, pool: int = P,
+                vocab: int = V, weaver=None) -> TreeSpeculator:
     """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads, and
     the per-slot temperatures the model state files (all greedy); ``budgets``: the k a step
-    may draft (the batch-size schedule's)."""
+    may draft (the batch-size schedule's); a tree "weaver" takes ``weaver`` (None: a random
+    one of this module's shapes)."""
     spec = TreeSpeculator.__new__(TreeSpeculator)
-    spec.options = TfmOptions(budget=BUDGET, tree=tree, candidate_pool=P, verify=verify)
-    spec.weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen))) \
-        if tree == "weaver" else None
-    spec.max_num_reqs, spec.num_speculative_steps, spec.num_query_per_req = max_reqs, D, BLOCK
+    spec.options = TfmOptions(budget=budget, tree=tree, candidate_pool=pool, verify=verify)
+    if tree == "weaver" and weaver is None:
+        weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen)))
+    spec.weaver = weaver
+    block = 1 + depth
+    spec.max_num_reqs, spec.num_speculative_steps = max_reqs, depth
+    spec.num_query_per_req = block
     spec.input_buffers = SimpleNamespace(
-        input_ids=torch.full((max_reqs * BLOCK,), -5, dtype=torch.int32))
-    spec.sample_indices = torch.zeros(max_reqs * D, dtype=torch.int64)
-    spec.sample_pos = torch.zeros(max_reqs * D, dtype=torch.int64)
-    head = torch.randn(V, WIDTH, generator=gen)
+        input_ids=torch.full((max_reqs * block,), -5, dtype=torch.int32))
+    spec.sample_indices = torch.zeros(max_reqs * depth, dtype=torch.int64)
+    spec.sample_pos = torch.zeros(max_reqs * depth, dtype=torch.int64)
+    head = torch.randn(vocab, WIDTH, generator=gen)
     spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
     spec._init_round({}, torch.device("cpu"), budgets)
     spec.engine.temperature = np.zeros(max_reqs, dtype=np.float32)
@@ -73,17 +78,18 @@ def vllm_propose(monkeypatch):
                 next_prefill_tokens, temperature, seeds, dummy_run=False,
                 num_speculative_tokens=None, **kwargs):
         n, padded = input_batch.num_reqs, rows[0]
+        depth, block = self.num_speculative_steps, self.num_query_per_req
         ids = self.input_buffers.input_ids
         ids.zero_()  # padded query rows hold token 0, as prepare_dflash_inputs writes them
-        ids[: n * BLOCK : BLOCK] = last_sampled[input_batch.idx_mapping[:n].long(), 0].int()
-        mask_row = torch.arange(n * D)
+        ids[: n * block : block] = last_sampled[input_batch.idx_mapping[:n].long(), 0].int()
+        mask_row = torch.arange(n * depth)
         self.sample_indices.zero_()  # padded sample rows read query row 0
-        self.sample_indices[: n * D] = mask_row // D * BLOCK + 1 + mask_row % D
+        self.sample_indices[: n * depth] = mask_row // depth * block + 1 + mask_row % depth
         self.sample_pos.zero_()
-        self.sample_pos[: n * D] = (input_batch.root_positions.repeat_interleave(D)
-                                    + 1 + mask_row % D)
-        self._generate_draft(padded, padded * BLOCK, None, None, None)
-        return torch.zeros(n, D, dtype=torch.int64)
+        self.sample_pos[: n * depth] = (input_batch.root_positions.repeat_interleave(depth)
+                                        + 1 + mask_row % depth)
+        self._generate_draft(padded, padded * block, None, None, None)
+        return torch.zeros(n, depth, dtype=torch.int64)
 
     monkeypatch.setattr(DFlashSpeculator, "propose", propose)
     return rows

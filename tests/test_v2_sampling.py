@@ -332,14 +332,18 @@ def test_path_logprobs_score_each_output_token_at_its_path_node(v2, gen, mode):
             assert int(out.selected_token_ranks[row]) == int((logits >= logits[token]).sum())
 
 
-def _tree_decode_step(tree, slots, prefix):
+def _tree_decode_step(tree, slots, prefix, sampled=None):
     """(slot trees, step, model state, V2 input batch) of a decode step scoring every node
-    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads."""
+    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads.
+    ``sampled`` [R] bool: the rows of a sampled ``tree`` whose trees are sampled."""
     from vllm_tfm.vllm_glue.v2.trees import SlotTrees
 
     rows, width = tree.tokens.shape
-    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
+    pools = None if sampled is None else tuple(tree.pool_ids.shape[1:])
+    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"), pools)
     store.store(slots, tree)
+    if sampled is not None:
+        store.sampled[slots.numpy()] = sampled
     num_nodes = torch.full((rows,), width, dtype=torch.int32)
     step = SimpleNamespace(meta=SimpleNamespace(num_nodes=num_nodes), prefix_lens=prefix,
                            num_nodes_host=num_nodes.numpy().astype(np.int64), accepted_leaf=None)
@@ -446,3 +450,57 @@ def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypat
                             step_seeds(states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
+
+
+def test_sampled_trees_are_verified_by_traversal_reading_nothing_back(v2, gen, monkeypatch):
+    """A batch whose slots hold sampled trees (as a V2 sampling round leaves them): the
+    rejection sampler verifies those rows by traversal, the greedy row greedily and the
+    deterministic sampled row target-only, with no host read."""
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    from vllm_tfm.drafting.draft_round import draft_trees_per_request
+    from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
+    from vllm_tfm.vllm_glue.v2 import model_state
+    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
+
+    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
+                        lambda num_sampled, seq_lens, cu, idx, prefill: (
+                            num_sampled, cu.diff() - num_sampled))
+    sampler, requests, slots, plain, raw, prefix = _batch(v2, gen, 4)
+    temperatures = [0.0, 1.0, 0.7, 1.3]
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:],
+             SamplingParams(temperature=temperatures[r], top_k=20, seed=r + 3))
+    sampled = np.array([False, True, False, True])
+    pools = candidate_pools(torch.randn(4, 3, VOCAB, generator=gen), 3)
+    tree = draft_trees_per_request("ddtree", plain.tokens[:, 0], pools, plain.max_nodes - 1,
+                                   sampled.tolist(), torch.arange(4) * 31 + 1)
+    for r in range(4):  # drafts the target likes: paths get accepted
+        for j in range(1, int(tree.num_nodes[r])):
+            raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
+    _, step, state, batch = _tree_decode_step(tree, slots, prefix, sampled)
+    verify = model_state.TreeRejectionSampler(state, sampler)
+    with no_host_reads():
+        with pytest.raises(HostRead, match="__bool__"):
+            tree.validate()  # the guard is live
+        out = verify(raw.flatten(0, 1), batch)
+
+    states = sampler.sampling_states
+    processed = _chain_reference(sampler, tree, raw, slots, prefix)
+    seeds = step_seeds(states.seeds.gpu[slots], prefix)
+    expected = verify_batch(tree, processed, states.temperature.np[slots.numpy()], sampled,
+                            seeds, "auto")
+    assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
+    assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
+    probs = torch.softmax(processed.float(), -1)
+    width = tree.max_nodes
+    traversal = verify_traversal(tree, probs, seeds, max_children=width - 1)
+    deterministic = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
+    by_row = [verify_greedy(tree, processed), traversal,
+              verify_target_only(deterministic, probs, seeds), traversal]
+    for r, result in enumerate(by_row):
+        assert int(step.accepted_leaf[r]) == int(result.accepted_leaf[r]), r
+        assert out.sampled_token_ids[r].tolist() == sampled_tokens(result, width)[r].tolist()
