@@ -185,15 +185,9 @@ def draft_graph_managers(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("tree", ["ddtree", "chain"])
-def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propose,  # noqa: F811
-                                                          draft_graph_managers, monkeypatch):
-    spec = _speculator(tree, gen, ROUND_BUDGETS)
-    spec.init_cudagraph_manager("FULL")
-    assert sorted(spec.draft_graphs) == list(ROUND_BUDGETS)
-    assert len({id(m) for m in spec.draft_graphs.values()}) == len(ROUND_BUDGETS)
-    states = torch.randn(MAX_REQS * BLOCK, ROUND_WIDTH, generator=gen)
-    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+@pytest.fixture
+def replayed_graphs(vllm_propose, monkeypatch):  # noqa: F811
+    """The speculator's current draft graph manager at every vLLM propose, in order."""
     replayed = []
     inner = DFlashSpeculator.propose
 
@@ -202,6 +196,19 @@ def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propo
         return inner(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashSpeculator, "propose", propose)
+    return replayed
+
+
+@pytest.mark.parametrize("tree", ["ddtree", "chain"])
+def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propose,  # noqa: F811
+                                                          draft_graph_managers, monkeypatch,
+                                                          replayed_graphs):
+    spec = _speculator(tree, gen, ROUND_BUDGETS)
+    spec.init_cudagraph_manager("FULL")
+    assert sorted(spec.draft_graphs) == list(ROUND_BUDGETS)
+    assert len({id(m) for m in spec.draft_graphs.values()}) == len(ROUND_BUDGETS)
+    states = torch.randn(MAX_REQS * BLOCK, ROUND_WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
     store = spec.engine.trees
     for number, (n, padded, k) in enumerate([(3, 4, ROUND_BUDGET), (5, 6, 4),
                                              (2, 2, ROUND_BUDGET), (4, 4, 8), (1, 2, 4)]):
@@ -216,7 +223,7 @@ def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propo
         drafts = spec.propose(batch, None, None, hidden, None, None, None, last_sampled,
                               None, None, None, num_speculative_tokens=k)
         print(f"step {number}: batch {n}, k {k}")
-        assert replayed[-1] is spec.draft_graphs[k]
+        assert replayed_graphs[-1] is spec.draft_graphs[k]
         mask_states = states[: n * BLOCK].view(n, BLOCK, ROUND_WIDTH)[:, 1:]
         pools = candidate_pools(spec.model.compute_logits(mask_states), ROUND_POOL)
         want = draft_trees(tree, last_sampled[slots, 0], pools, k, fanout=spec.options.fanout,

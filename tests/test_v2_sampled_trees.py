@@ -22,7 +22,7 @@ import pytest
 import torch
 from host_reads import HostRead, no_host_reads, run_as_on_cuda
 from test_proposer_rounds import WIDTH, _same_tree
-from test_v2_dynamic_budget import draft_graph_managers  # noqa: F401
+from test_v2_dynamic_budget import draft_graph_managers, replayed_graphs  # noqa: F401
 from test_v2_rounds import BLOCK, BUDGET, MAX_REQS, V, _batch, _speculator, vllm_propose  # noqa: F401
 from test_verifiers import (
     TOL,
@@ -36,7 +36,6 @@ from test_verifiers import (
     target_probs,
     tiny_weaver,
 )
-from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 from vllm_tfm.drafting.verifiers import traversal_plan, verify_traversal
@@ -141,20 +140,11 @@ def test_v2_sampled_trees_and_their_verifier_are_lossless(tree_kind, kind, gen, 
     assert torch.equal(picked.accepted_leaf, expected.accepted_leaf)
 
 
-def test_greedy_batches_keep_the_deterministic_round_and_its_graphs(gen, vllm_propose,
-                                                                   draft_graph_managers,  # noqa: F811
-                                                                   monkeypatch):
+def test_greedy_batches_keep_the_deterministic_round_and_its_graphs(
+        gen, vllm_propose, draft_graph_managers, replayed_graphs, monkeypatch):  # noqa: F811
     spec = _speculator("ddtree", gen)  # verify "auto": sampled DDTrees at any T > 0
     spec.init_cudagraph_manager("FULL")
     drafter = _fixed_drafter(spec, monkeypatch, gen)
-    replayed = []
-    inner = DFlashSpeculator.propose
-
-    def propose(self, *args, **kwargs):
-        replayed.append(self.query_cudagraph_manager)
-        return inner(self, *args, **kwargs)
-
-    monkeypatch.setattr(DFlashSpeculator, "propose", propose)
     slots, roots = [4, 1, 3], torch.tensor([7, 8, 9])
     seeds = torch.arange(MAX_REQS, dtype=torch.int64)
     greedy = torch.zeros(MAX_REQS)
@@ -165,7 +155,7 @@ def test_greedy_batches_keep_the_deterministic_round_and_its_graphs(gen, vllm_pr
         vllm_propose[0] = 4
         _propose(spec, _rows_batch(slots, [30, 40, 50]), roots, temperature, seeds)
         graphs = spec.sampling_draft_graphs if sampling else spec.draft_graphs
-        assert replayed[-1] is graphs[BUDGET] and spec.round_sampling == sampling
+        assert replayed_graphs[-1] is graphs[BUDGET] and spec.round_sampling == sampling
         states = torch.stack([drafter.blocks[r][1:] for r in drafter.rows])
         pools = candidate_pools(spec.model.compute_logits(states), spec.options.candidate_pool)
         plain = draft_trees("ddtree", roots, pools, BUDGET)

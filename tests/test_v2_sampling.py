@@ -416,32 +416,42 @@ def _sampled_with_every_processor():
     return params
 
 
-@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
-def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
-    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
-    device sync on CUDA) over a greedy batch, nor over a sampled one running every
-    processor of V2's sampler; its paths are the reference verifier's."""
+def _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch,
+                                 sampled=None):
+    """(sampler output, step) of TreeRejectionSampler over a decode step of ``tree`` (kept
+    in ``slots``; ``sampled`` as in ``_tree_decode_step``) whose drafts the target likes
+    (paths get accepted), run under ``no_host_reads``."""
     from vllm_tfm.vllm_glue.v2 import model_state
-    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
 
     def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill):
         # V2's Triton kernel, for a batch of decodes (no prompt chunk among them).
         return num_sampled, cu_num_logits.diff() - num_sampled
 
     monkeypatch.setattr(model_state, "get_num_sampled_and_rejected", num_sampled_and_rejected)
-    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
-    for r, slot in enumerate(slots.tolist()):
-        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
-        _add(sampler, requests, slot, history[:1], history[1:], params())
-    for r in range(tree.batch_size):  # drafts the target likes: paths get accepted
+    for r in range(tree.batch_size):
         for j in range(1, int(tree.num_nodes[r])):
             raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
-    _, step, state, batch = _tree_decode_step(tree, slots, prefix)
+    _, step, state, batch = _tree_decode_step(tree, slots, prefix, sampled)
     verify = model_state.TreeRejectionSampler(state, sampler)
     with no_host_reads():
         with pytest.raises(HostRead, match="__bool__"):
             tree.validate()  # the guard is live
         out = verify(raw.flatten(0, 1), batch)
+    return out, step
+
+
+@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
+def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
+    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
+    device sync on CUDA) over a greedy batch, nor over a sampled one running every
+    processor of V2's sampler; its paths are the reference verifier's."""
+    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
+
+    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:], params())
+    out, step = _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch)
 
     states = sampler.sampling_states
     expected = verify_batch(tree, _chain_reference(sampler, tree, raw, slots, prefix),
@@ -462,12 +472,8 @@ def test_sampled_trees_are_verified_by_traversal_reading_nothing_back(v2, gen, m
 
     from vllm_tfm.drafting.draft_round import draft_trees_per_request
     from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
-    from vllm_tfm.vllm_glue.v2 import model_state
     from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
 
-    monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
-                        lambda num_sampled, seq_lens, cu, idx, prefill: (
-                            num_sampled, cu.diff() - num_sampled))
     sampler, requests, slots, plain, raw, prefix = _batch(v2, gen, 4)
     temperatures = [0.0, 1.0, 0.7, 1.3]
     for r, slot in enumerate(slots.tolist()):
@@ -478,15 +484,8 @@ def test_sampled_trees_are_verified_by_traversal_reading_nothing_back(v2, gen, m
     pools = candidate_pools(torch.randn(4, 3, VOCAB, generator=gen), 3)
     tree = draft_trees_per_request("ddtree", plain.tokens[:, 0], pools, plain.max_nodes - 1,
                                    sampled.tolist(), torch.arange(4) * 31 + 1)
-    for r in range(4):  # drafts the target likes: paths get accepted
-        for j in range(1, int(tree.num_nodes[r])):
-            raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
-    _, step, state, batch = _tree_decode_step(tree, slots, prefix, sampled)
-    verify = model_state.TreeRejectionSampler(state, sampler)
-    with no_host_reads():
-        with pytest.raises(HostRead, match="__bool__"):
-            tree.validate()  # the guard is live
-        out = verify(raw.flatten(0, 1), batch)
+    out, step = _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch,
+                                             sampled)
 
     states = sampler.sampling_states
     processed = _chain_reference(sampler, tree, raw, slots, prefix)
