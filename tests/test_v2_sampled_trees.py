@@ -4,8 +4,8 @@ drives it.
 
 - Exactness: the trees the V2 round stores for many seeds of one request are every
   realisation of the draw (their probabilities sum to 1), and the verifier V2 picks for
-  them (traversal, bounded by the tree width so that it reads nothing back) gives outputs
-  that follow the target's multi-step law to 1e-10, by enumeration (test_verifiers.py).
+  them (traversal) gives outputs that follow the target's multi-step law to 1e-10, by
+  enumeration (test_verifiers.py).
 - Greedy requests are unchanged: a greedy-only batch runs the deterministic round in its
   own graphs; a greedy request beside sampled ones gets the deterministic tree.
 - A sampling round reads nothing back from the device (it runs inside vLLM's draft graph).
@@ -114,13 +114,11 @@ def test_v2_sampled_trees_and_their_verifier_are_lossless(tree_kind, kind, gen, 
     assert abs(sum(weights) - 1.0) < TOL, f"realisations seen hold mass {sum(weights)}"
 
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
-    width = realised.max_nodes
     outcomes = {}
     for r, tree_weight in enumerate(weights):
         tree = realised.select(torch.tensor([r]))
         probs = target_probs(tree, law)
-        # The plan of V2's traversal: loops bounded by the width, nothing read back.
-        plan = traversal_plan(tree, probs, max_children=width - 1)
+        plan = traversal_plan(tree, probs)
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
@@ -134,8 +132,7 @@ def test_v2_sampled_trees_and_their_verifier_are_lossless(tree_kind, kind, gen, 
     step_seeds = torch.arange(rows, dtype=torch.int64) + 11
     picked = verify_batch(realised, processed, np.ones(rows), np.ones(rows, dtype=bool),
                           step_seeds, "auto")
-    expected = verify_traversal(realised, torch.softmax(processed, -1), step_seeds,
-                                max_children=width - 1)
+    expected = verify_traversal(realised, torch.softmax(processed, -1), step_seeds)
     assert torch.equal(picked.output_tokens, expected.output_tokens)
     assert torch.equal(picked.accepted_leaf, expected.accepted_leaf)
 

@@ -496,7 +496,7 @@ def test_sampled_trees_are_verified_by_traversal_reading_nothing_back(v2, gen, m
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
     probs = torch.softmax(processed.float(), -1)
     width = tree.max_nodes
-    traversal = verify_traversal(tree, probs, seeds, max_children=width - 1)
+    traversal = verify_traversal(tree, probs, seeds)
     deterministic = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
     by_row = [verify_greedy(tree, processed), traversal,
               verify_target_only(deterministic, probs, seeds), traversal]

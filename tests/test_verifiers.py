@@ -471,6 +471,31 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
     assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_traversal_reads_nothing_back_from_the_device(sampled, gen):
+    """No host read (each would be a device sync on CUDA): the plan's loops come from the
+    trees' shapes only, sampled trees and deterministic ones (sibling order drawn)."""
+    from host_reads import HostRead, no_host_reads
+
+    parents = SAMPLED_SHAPES["bushy"]
+    vocab, pool = 5, 3
+    pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool] for _ in range(3)])
+    draft = ContextLaw(vocab, 3, "smooth")
+    tree, _ = next(sampled_trees(parents, pool_ids, lambda c: torch.log(
+        draft(c)[pool_ids[len(c) - 1]]).float(), 0))
+    if not sampled:
+        tree = DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
+                            "pool_ids": None, "proposal_logq": None})
+    batch = replicate(tree, 3)
+    probs = target_probs(tree, ContextLaw(vocab, 4, "peaky")).nan_to_num(0.2).expand(3, -1, -1)
+    seeds = torch.tensor([1, 2, 3])
+    with no_host_reads():
+        with pytest.raises(HostRead):
+            tree.validate()  # the guard is live
+        result = verify_traversal(batch, probs, seeds, validate=False)
+    assert torch.equal(result.output_tokens, verify_traversal(batch, probs, seeds).output_tokens)
+
+
 def test_traversal_beats_target_only_on_sampled_chain():
     """The reason traversal exists: on a chain drawn from q = p it accepts
     every token, while target-only accepts a drawn token with prob p(x)."""

@@ -221,12 +221,11 @@ def _merge(chosen: VerifyResult, other: VerifyResult, take: np.ndarray) -> Verif
 def verify_trees(
     tree: DraftTree, logits: torch.Tensor, processed: torch.Tensor, greedy: np.ndarray,
     sampled_tree: np.ndarray, seeds: torch.Tensor, mode: str,
-    max_children: int | None = None,
 ) -> VerifyResult:
     """Accept one path per request.
 
-    The verifiers are chosen from host state, so that choosing reads nothing back from
-    the device: a batch of greedy requests verifies without a host sync.
+    The verifiers are chosen from host state and read nothing back from the device: a
+    batch verifies without a host sync.
 
     Args:
         logits: [R, N, V] target logits per node after the request-level
@@ -236,8 +235,7 @@ def verify_trees(
             children (traversal verifies it; the other sampled requests take
             ``mode``'s deterministic-tree verifier: traversal for "traversal", else
             target-only, whose outcome law traversal only equals there, at a higher
-            cost); max_children: given, traversal reads nothing back from the device
-            (``verifiers.traversal_plan``).
+            cost).
     """
     result = verify_greedy(tree, logits, validate=False)
     if greedy.all():
@@ -245,8 +243,7 @@ def verify_trees(
     probs = torch.softmax(processed.float(), dim=-1)
     sampled_tree = sampled_tree & ~greedy
     if sampled_tree.any():
-        traversal = verify_traversal(tree, probs, seeds, validate=False,
-                                     max_children=max_children)
+        traversal = verify_traversal(tree, probs, seeds, validate=False)
         result = _merge(traversal, result, sampled_tree)
     deterministic = ~greedy & ~sampled_tree
     if deterministic.any():
@@ -254,8 +251,7 @@ def verify_trees(
         # are deterministic and are verified as such.
         plain = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
         if mode == "traversal":
-            verified = verify_traversal(plain, probs, seeds, validate=False,
-                                        max_children=max_children)
+            verified = verify_traversal(plain, probs, seeds, validate=False)
         else:
             verified = verify_target_only(plain, probs, seeds, validate=False)
         result = _merge(verified, result, deterministic)

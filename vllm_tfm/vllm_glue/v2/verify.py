@@ -7,9 +7,10 @@ min_tokens, penalties, bad words, temperature, min_p, top-k / top-p); then the v
 ``verify`` option picks, as on model runner V1 (``vllm_glue/verify.py``): greedy requests the
 greedy verifier, sampled requests whose tree was sampled traversal, the other sampled
 requests target-only verification of their deterministic trees (lossless for any tree), all
-chosen from host state, so nothing is read back from the device. Logprobs follow the accepted path in V2's chain layout. What has no
-tree form here is refused per request on V2 (``wrap_validate_params``): structured outputs
-(V2 masks a chain's rows with one grammar state per offset) and thinking budgets.
+chosen from host state; none reads anything back from the device. Logprobs follow the
+accepted path in V2's chain layout. What has no tree form here is refused per request on V2
+(``wrap_validate_params``): structured outputs (V2 masks a chain's rows with one grammar
+state per offset) and thinking budgets.
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: np.ndarr
     on the host, V2's ``SamplingStates.temperature.np`` of the batch's slots, 0 = greedy:
     the argmax of the processed row, as V2's chain verifier takes it). ``sampled_tree`` [R]
     on the host: the request's tree was sampled (``SlotTrees.sampled``); ``verify``: the
-    option. Traversal is bounded by the tree's width, so it reads nothing back either."""
+    option."""
     greedy, mode = verify_option(verify, temperature < _GREEDY_TEMPERATURE_EPS)
-    return verify_trees(tree, processed, processed, greedy, sampled_tree, seeds, mode,
-                        max_children=tree.max_nodes - 1)
+    return verify_trees(tree, processed, processed, greedy, sampled_tree, seeds, mode)
 
 
 def sampled_tokens(result: VerifyResult, width: int) -> torch.Tensor:
