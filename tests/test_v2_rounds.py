@@ -95,8 +95,8 @@ def vllm_propose(monkeypatch):
     return rows
 
 
-def _batch(gen, n: int, num_tokens: int, max_reqs: int = MAX_REQS):
-    slots = torch.randperm(max_reqs, generator=gen)[:n]
+def _batch(gen, n: int, num_tokens: int):
+    slots = torch.randperm(MAX_REQS, generator=gen)[:n]
     starts = torch.sort(torch.randperm(num_tokens - 1, generator=gen)[: n - 1] + 1).values
     query_start_loc = torch.cat([torch.tensor([0]), starts, torch.tensor([num_tokens])])
     return SimpleNamespace(num_reqs=n, num_tokens=num_tokens, idx_mapping=slots.int(),

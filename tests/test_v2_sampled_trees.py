@@ -23,33 +23,22 @@ import torch
 from host_reads import HostRead, no_host_reads, run_as_on_cuda
 from test_proposer_rounds import WIDTH, _same_tree
 from test_v2_dynamic_budget import draft_graph_managers, replayed_graphs  # noqa: F401
-from test_v2_rounds import BLOCK, BUDGET, MAX_REQS, V, _batch, _speculator, vllm_propose  # noqa: F401
-from test_verifiers import (
-    TOL,
-    ContextLaw,
-    add_outcomes,
-    assert_lossless,
-    check_replay,
-    enumerate_plan,
-    plackett_luce_weight,
-    run_traversal_cases,
-    target_probs,
-    tiny_weaver,
-)
+from test_v2_rounds import BUDGET, MAX_REQS, V, _speculator, vllm_propose  # noqa: F401
+from test_verifiers import ContextLaw, assert_sampled_trees_lossless, target_probs, tiny_weaver
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
-from vllm_tfm.drafting.verifiers import traversal_plan, verify_traversal
+from vllm_tfm.drafting.verifiers import verify_traversal
 from vllm_tfm.vllm_glue.v2.verify import verify_batch
 
 
-def _fixed_drafter(spec, monkeypatch, gen, width: int = WIDTH) -> dict:
+def _fixed_drafter(spec, monkeypatch, gen) -> SimpleNamespace:
     """The drafter's forward as a function of the request: ``blocks[request]`` holds its
-    DFlash states ([1 + D, width]); ``rows`` lists the request of each batch row (padded
+    DFlash states ([1 + D, WIDTH]); ``rows`` lists the request of each batch row (padded
     rows repeat the last)."""
     blocks, rows = {}, []
 
     def run_model(num_tokens, *args):
-        states = [blocks.setdefault(request, torch.randn(spec.num_query_per_req, width,
+        states = [blocks.setdefault(request, torch.randn(spec.num_query_per_req, WIDTH,
                                                          generator=gen))
                   for request in rows]
         padded = num_tokens // spec.num_query_per_req - len(rows)
@@ -104,25 +93,9 @@ def test_v2_sampled_trees_and_their_verifier_are_lossless(tree_kind, kind, gen, 
     _propose(spec, batch, torch.full((count,), root), torch.ones(count), seeds, hidden)
     assert spec.round_sampling and spec.engine.trees.sampled_rows(np.arange(count)).all()
 
-    trees = spec.engine.trees.gather(torch.arange(count), draws=True)
-    trees.validate(vocab_size=vocab)
-    distinct = {}
-    for r, row in enumerate(trees.tokens.tolist()):
-        distinct.setdefault(tuple(row), r)
-    realised = trees.select(torch.tensor(sorted(distinct.values())))
-    weights = [plackett_luce_weight(realised, r) for r in range(realised.batch_size)]
-    assert abs(sum(weights) - 1.0) < TOL, f"realisations seen hold mass {sum(weights)}"
-
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
-    outcomes = {}
-    for r, tree_weight in enumerate(weights):
-        tree = realised.select(torch.tensor([r]))
-        probs = target_probs(tree, law)
-        plan = traversal_plan(tree, probs)
-        cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
-        add_outcomes(outcomes, tree, cases, tree_weight)
-    assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
+    realised = assert_sampled_trees_lossless(
+        spec.engine.trees.gather(torch.arange(count), draws=True), law, root)
 
     # The verifier V2 picks for these rows is that traversal.
     probs = torch.cat([target_probs(realised.select(torch.tensor([r])), law)

@@ -770,15 +770,21 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
                                     weaver=weaver, h_v=h_v, dflash_hidden=hidden,
                                     validate=False)
     assert trees.sampled
-    trees.validate(vocab_size=V)
+    assert_sampled_trees_lossless(trees, ContextLaw(
+        V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind), root)
+
+
+def assert_sampled_trees_lossless(trees: DraftTree, law: ContextLaw, root: int) -> DraftTree:
+    """``trees``: one request's sampled trees drawn with many seeds. Their distinct
+    realisations must hold all the draw's mass, and their traversal outcomes, weighted by
+    it, follow ``law``'s multi-step law to 1e-10. Returns the realisations."""
+    trees.validate(vocab_size=law.vocab)
     distinct = {}
     for r, row in enumerate(trees.tokens.tolist()):
         distinct.setdefault(tuple(row), r)
-    rows = torch.tensor(sorted(distinct.values()))
-    realised = trees.select(rows)
-    weights = [plackett_luce_weight(realised, r) for r in range(len(rows))]
+    realised = trees.select(torch.tensor(sorted(distinct.values())))
+    weights = [plackett_luce_weight(realised, r) for r in range(realised.batch_size)]
     assert abs(sum(weights) - 1.0) < TOL, f"realisations seen hold mass {sum(weights)}"
-    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     outcomes = {}
     for r, tree_weight in enumerate(weights):
         tree = realised.select(torch.tensor([r]))
@@ -788,3 +794,4 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
+    return realised
