@@ -185,15 +185,9 @@ def draft_graph_managers(monkeypatch):
     return made
 
 
-@pytest.mark.parametrize("tree", ["ddtree", "chain"])
-def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propose,  # noqa: F811
-                                                          draft_graph_managers, monkeypatch):
-    spec = _speculator(tree, gen, ROUND_BUDGETS)
-    spec.init_cudagraph_manager("FULL")
-    assert sorted(spec.draft_graphs) == list(ROUND_BUDGETS)
-    assert len({id(m) for m in spec.draft_graphs.values()}) == len(ROUND_BUDGETS)
-    states = torch.randn(MAX_REQS * BLOCK, ROUND_WIDTH, generator=gen)
-    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
+@pytest.fixture
+def replayed_graphs(vllm_propose, monkeypatch):  # noqa: F811
+    """The speculator's current draft graph manager at every vLLM propose, in order."""
     replayed = []
     inner = DFlashSpeculator.propose
 
@@ -202,6 +196,19 @@ def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propo
         return inner(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashSpeculator, "propose", propose)
+    return replayed
+
+
+@pytest.mark.parametrize("tree", ["ddtree", "chain"])
+def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propose,  # noqa: F811
+                                                          draft_graph_managers, monkeypatch,
+                                                          replayed_graphs):
+    spec = _speculator(tree, gen, ROUND_BUDGETS)
+    spec.init_cudagraph_manager("FULL")
+    assert sorted(spec.draft_graphs) == list(ROUND_BUDGETS)
+    assert len({id(m) for m in spec.draft_graphs.values()}) == len(ROUND_BUDGETS)
+    states = torch.randn(MAX_REQS * BLOCK, ROUND_WIDTH, generator=gen)
+    monkeypatch.setattr(spec, "_run_model", lambda num_tokens, *args: states[:num_tokens])
     store = spec.engine.trees
     for number, (n, padded, k) in enumerate([(3, 4, ROUND_BUDGET), (5, 6, 4),
                                              (2, 2, ROUND_BUDGET), (4, 4, 8), (1, 2, 4)]):
@@ -216,12 +223,12 @@ def test_steps_of_alternating_k_draft_trees_of_that_budget(tree, gen, vllm_propo
         drafts = spec.propose(batch, None, None, hidden, None, None, None, last_sampled,
                               None, None, None, num_speculative_tokens=k)
         print(f"step {number}: batch {n}, k {k}")
-        assert replayed[-1] is spec.draft_graphs[k]
+        assert replayed_graphs[-1] is spec.draft_graphs[k]
         mask_states = states[: n * BLOCK].view(n, BLOCK, ROUND_WIDTH)[:, 1:]
         pools = candidate_pools(spec.model.compute_logits(mask_states), ROUND_POOL)
         want = draft_trees(tree, last_sampled[slots, 0], pools, k, fanout=spec.options.fanout,
                            expand_width=spec.options.expand_width_for(k), backend="torch")
-        expected = SlotTrees.allocate(MAX_REQS, 1 + ROUND_BUDGET, ROUND_BUDGET,
+        expected = SlotTrees.allocate(MAX_REQS, 1 + ROUND_BUDGET, ROUND_DEPTH,
                                       torch.device("cpu"))
         expected.store(slots, want)
         _same_tree(store.gather(slots), expected.gather(slots))
@@ -268,14 +275,17 @@ def test_the_capture_records_the_round_of_each_k_in_its_own_graphs(gen, vllm_pro
     def capture(self):  # DFlashCudaGraphManager.capture per size: warm-up, then capture
         for rows in (6, 6, 2, 2):
             self._generate_draft(rows, rows * BLOCK, None, None, None)
-        captured.append((self.round_budget, self.query_cudagraph_manager,
+        captured.append((self.round_budget, self.round_sampling, self.query_cudagraph_manager,
                          int(self.engine.trees.gather(spare).num_nodes[0])))
 
     monkeypatch.setattr(DFlashSpeculator, "capture", capture)
     spec.capture()
-    assert [(k, manager) for k, manager, _ in captured] == [
-        (k, spec.draft_graphs[k]) for k in ROUND_BUDGETS]
-    assert [nodes <= 1 + k for k, _, nodes in captured] == [True] * len(ROUND_BUDGETS)
+    # Deterministic rounds, then the sampling rounds (verify "auto" draws sampled DDTrees).
+    assert [(k, sampling, manager) for k, sampling, manager, _ in captured] == [
+        (k, False, spec.draft_graphs[k]) for k in ROUND_BUDGETS] + [
+        (k, True, spec.sampling_draft_graphs[k]) for k in ROUND_BUDGETS]
+    assert [nodes <= 1 + k for k, _, _, nodes in captured] == [True] * 2 * len(ROUND_BUDGETS)
+    assert not spec.round_sampling
     _same_tree(spec.engine.trees.gather(every_slot), before)  # only the spare slot
     assert spec.round_budget == ROUND_BUDGET and spec.query_cudagraph_manager is \
         spec.draft_graphs[ROUND_BUDGET]
@@ -471,7 +481,8 @@ def test_greedy_verification_of_a_budget_k_step_is_greedy_decoding(gen, k):
     target = torch.full((num_reqs, tree.max_nodes, vocab), -3.0)
     target.scatter_(2, table[tree.tokens, positions][..., None], 3.0)
     target += 0.1 * torch.randn(target.shape, generator=gen)
-    result = verify_batch(tree, target, np.zeros(num_reqs), torch.arange(num_reqs))
+    result = verify_batch(tree, target, np.zeros(num_reqs), np.zeros(num_reqs, dtype=bool),
+                          torch.arange(num_reqs), "auto")
     out = sampled_tokens(result, 1 + max_budget)
     for r in range(num_reqs):
         count = int(result.accepted_len[r]) + 1
@@ -516,12 +527,14 @@ def test_vllms_memory_profiling_drops_every_draft_graph_manager(gen, draft_graph
 
     spec = _speculator("ddtree", gen, ROUND_BUDGETS)
     spec.init_cudagraph_manager("FULL")
-    assert len(spec.draft_graphs) == len(ROUND_BUDGETS)
+    count = len(ROUND_BUDGETS)
+    assert len(spec.draft_graphs) == len(spec.sampling_draft_graphs) == count
     # What profile_cudagraph_memory does after profiling: every manager attribute to None.
     for name, value in list(vars(spec).items()):
         if isinstance(value, CudaGraphManager):
             setattr(spec, name, None)
-    assert spec.draft_graphs == {}
+    assert spec.draft_graphs == spec.sampling_draft_graphs == {}
     spec.init_cudagraph_manager("FULL")  # the real initialize_kv_cache makes them anew
-    assert [id(m) for m in spec.draft_graphs.values()] == [
-        id(m) for m in draft_graph_managers[len(ROUND_BUDGETS):]]
+    made = [id(m) for m in draft_graph_managers[2 * count:]]
+    assert [id(m) for m in spec.draft_graphs.values()] == made[:count]
+    assert [id(m) for m in spec.sampling_draft_graphs.values()] == made[count:]

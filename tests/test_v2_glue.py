@@ -173,11 +173,13 @@ def test_verify_batch_greedy_is_the_greedy_verifier_and_sampled_rows_accept_path
     logits = torch.randn(4, tree.max_nodes, VOCAB, generator=generator)
     # Make some drafts the target's argmax so that paths get accepted.
     logits.scatter_(2, tree.tokens.roll(-1, 1)[..., None], 8.0)
-    greedy = verify_batch(tree, logits, np.zeros(4), torch.arange(4))
+    plain = np.zeros(4, dtype=bool)  # deterministic trees
+    greedy = verify_batch(tree, logits, np.zeros(4), plain, torch.arange(4), "auto")
     expected = verify_greedy(tree, logits)
     assert torch.equal(greedy.accepted_leaf, expected.accepted_leaf)
     assert torch.equal(greedy.output_tokens, expected.output_tokens)
-    mixed = verify_batch(tree, logits, np.array([0.0, 1.0, 0.0, 0.7]), torch.arange(4))
+    mixed = verify_batch(tree, logits, np.array([0.0, 1.0, 0.0, 0.7]), plain, torch.arange(4),
+                         "auto")
     assert torch.equal(mixed.accepted_leaf[[0, 2]], expected.accepted_leaf[[0, 2]])
     tokens = sampled_tokens(mixed, tree.max_nodes)
     assert tokens.shape == (4, tree.max_nodes)

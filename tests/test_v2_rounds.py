@@ -9,25 +9,30 @@ rows, then ``_generate_draft`` on the padded row count (a replay) or the exact o
 the drafter's forward returns seeded random states. Each step's trees, read back from the
 request slots, must be ``draft_trees``' trees for the same roots, pools, h_v and DFlash
 states (same nodes exactly; path scores to float rounding, as test_draft_round.py allows:
-a bucket's Weaver runs more rows). Requests with temperature > 0 get the same deterministic
-trees (V2 verifies them target-only: no sampled-tree fallback exists there); slots outside
-the batch keep their trees; padded rows, dummy runs and vLLM's capture of the draft forward
-write only the spare slot.
+a bucket's Weaver runs more rows). Requests the ``verify`` rule gives a sampled tree
+(``sampled_tree_rows`` of V2's per-slot temperatures) get ``draft_trees_per_request``'s
+sampled tree, seeded by their request's seed and the root's position, in a sampling round;
+the others the deterministic tree, and a batch without such a request runs the
+deterministic round. Slots outside the batch keep their trees; padded rows, dummy runs and
+vLLM's capture of the draft forward write only the spare slot.
 """
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from test_proposer_rounds import D, P, V, WIDTH, _same_tree, _weaver
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
+from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees_per_request
 from vllm_tfm.options import TfmOptions
 from vllm_tfm.vllm_glue.v2.speculator import TreeSpeculator
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees
+from vllm_tfm.vllm_glue.v2.verify import step_seeds
+from vllm_tfm.vllm_glue.verify import sampled_tree_rows
 
 MAX_REQS, BUDGET = 6, 20
 BLOCK = 1 + D
@@ -35,27 +40,37 @@ BLOCK = 1 + D
 STEPS = [(3, 4), (5, 5), (1, 2), (6, 6), (2, 4)]
 
 
-def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,)) -> TreeSpeculator:
-    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads;
-    ``budgets``: the k a step may draft (the batch-size schedule's)."""
+def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,), verify: str = "auto",
+                max_reqs: int = MAX_REQS, budget: int = BUDGET, depth: int = D, pool: int = P,
+                vocab: int = V, weaver=None) -> TreeSpeculator:
+    """A TreeSpeculator with the attributes vLLM's __init__ sets that the round reads, and
+    the per-slot temperatures the model state files (all greedy); ``budgets``: the k a step
+    may draft (the batch-size schedule's); a tree "weaver" takes ``weaver`` (None: a random
+    one of this module's shapes)."""
     spec = TreeSpeculator.__new__(TreeSpeculator)
-    spec.options = TfmOptions(budget=BUDGET, tree=tree, candidate_pool=P)
-    spec.weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen))) \
-        if tree == "weaver" else None
-    spec.max_num_reqs, spec.num_speculative_steps, spec.num_query_per_req = MAX_REQS, D, BLOCK
+    spec.options = TfmOptions(budget=budget, tree=tree, candidate_pool=pool, verify=verify)
+    if tree == "weaver" and weaver is None:
+        weaver = _weaver(int(torch.randint(1 << 30, (1,), generator=gen)))
+    spec.weaver = weaver
+    block = 1 + depth
+    spec.max_num_reqs, spec.num_speculative_steps = max_reqs, depth
+    spec.num_query_per_req = block
     spec.input_buffers = SimpleNamespace(
-        input_ids=torch.full((MAX_REQS * BLOCK,), -5, dtype=torch.int32))
-    spec.sample_indices = torch.zeros(MAX_REQS * D, dtype=torch.int64)
-    head = torch.randn(V, WIDTH, generator=gen)
+        input_ids=torch.full((max_reqs * block,), -5, dtype=torch.int32))
+    spec.sample_indices = torch.zeros(max_reqs * depth, dtype=torch.int64)
+    spec.sample_pos = torch.zeros(max_reqs * depth, dtype=torch.int64)
+    head = torch.randn(vocab, WIDTH, generator=gen)
     spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
     spec._init_round({}, torch.device("cpu"), budgets)
+    spec.engine.temperature = np.zeros(max_reqs, dtype=np.float32)
     return spec
 
 
 @pytest.fixture
 def vllm_propose(monkeypatch):
     """DFlashSpeculator.propose as far as the round sees it; ``rows[0]`` picks the row count
-    _generate_draft runs (the captured size, or the batch: eager)."""
+    _generate_draft runs (the captured size, or the batch: eager). The batch's
+    ``root_positions`` (a test field) place each block: its mask rows follow the root."""
     rows = [None]
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
@@ -63,14 +78,18 @@ def vllm_propose(monkeypatch):
                 next_prefill_tokens, temperature, seeds, dummy_run=False,
                 num_speculative_tokens=None, **kwargs):
         n, padded = input_batch.num_reqs, rows[0]
+        depth, block = self.num_speculative_steps, self.num_query_per_req
         ids = self.input_buffers.input_ids
         ids.zero_()  # padded query rows hold token 0, as prepare_dflash_inputs writes them
-        ids[: n * BLOCK : BLOCK] = last_sampled[input_batch.idx_mapping[:n].long(), 0].int()
-        mask_row = torch.arange(n * D)
+        ids[: n * block : block] = last_sampled[input_batch.idx_mapping[:n].long(), 0].int()
+        mask_row = torch.arange(n * depth)
         self.sample_indices.zero_()  # padded sample rows read query row 0
-        self.sample_indices[: n * D] = mask_row // D * BLOCK + 1 + mask_row % D
-        self._generate_draft(padded, padded * BLOCK, None, None, None)
-        return torch.zeros(n, D, dtype=torch.int64)
+        self.sample_indices[: n * depth] = mask_row // depth * block + 1 + mask_row % depth
+        self.sample_pos.zero_()
+        self.sample_pos[: n * depth] = (input_batch.root_positions.repeat_interleave(depth)
+                                        + 1 + mask_row % depth)
+        self._generate_draft(padded, padded * block, None, None, None)
+        return torch.zeros(n, depth, dtype=torch.int64)
 
     monkeypatch.setattr(DFlashSpeculator, "propose", propose)
     return rows
@@ -81,7 +100,9 @@ def _batch(gen, n: int, num_tokens: int):
     starts = torch.sort(torch.randperm(num_tokens - 1, generator=gen)[: n - 1] + 1).values
     query_start_loc = torch.cat([torch.tensor([0]), starts, torch.tensor([num_tokens])])
     return SimpleNamespace(num_reqs=n, num_tokens=num_tokens, idx_mapping=slots.int(),
-                           query_start_loc=query_start_loc.int())
+                           idx_mapping_np=slots.int().numpy(),
+                           query_start_loc=query_start_loc.int(),
+                           root_positions=torch.randint(5, 300, (n,), generator=gen))
 
 
 @pytest.mark.parametrize("tree", ["weaver", "ddtree", "chain"])
@@ -99,8 +120,13 @@ def test_a_v2_steps_trees_from_the_round_are_draft_trees_trees(tree, gen, vllm_p
         slots = batch.idx_mapping.long()
         hidden = torch.randn(num_tokens + 3, WIDTH, generator=gen)  # rows past the batch
         last_sampled = torch.randint(0, V, (MAX_REQS, 1), generator=gen)
-        temperature = torch.rand(MAX_REQS, generator=gen).masked_fill(
-            torch.rand(MAX_REQS, generator=gen) < 0.5, 0.0)  # greedy and sampled requests
+        # Greedy requests, cool ones (a deterministic tree under "auto" for a Weaver) and
+        # hot ones; step 2 is greedy only.
+        choices = torch.tensor([0.0] if number == 2 else [0.0, 0.5, 1.0])
+        temperature = choices[torch.randint(len(choices), (MAX_REQS,), generator=gen)]
+        temperature[0] = 1.0 if number != 2 else 0.0  # slot 0 wants a sampled tree
+        seeds = torch.randint(-(1 << 62), 1 << 62, (MAX_REQS,), generator=gen)
+        spec.engine.temperature[:] = temperature.numpy()
         if number % 2:  # a step after a tree step: h_v from the rows that made the roots
             bonus_rows = torch.randperm(num_tokens, generator=gen)[:n]
             spec.engine.step = SimpleNamespace(
@@ -113,18 +139,31 @@ def test_a_v2_steps_trees_from_the_round_are_draft_trees_trees(tree, gen, vllm_p
         others = torch.tensor([s for s in range(MAX_REQS) if s not in slots.tolist()])
         kept = store.gather(others) if others.numel() else None
         drafts = spec.propose(batch, None, None, hidden, None, None, None, last_sampled,
-                              None, temperature, None)
+                              None, temperature, seeds)
 
         mask_states = states[: n * BLOCK].view(n, BLOCK, WIDTH)[:, 1:]
         pools = candidate_pools(spec.model.compute_logits(mask_states), P)
-        want = draft_trees(tree, last_sampled[slots, 0], pools, BUDGET, weaver=spec.weaver,
-                           h_v=h_v, dflash_hidden=mask_states, fanout=spec.options.fanout,
-                           expand_width=spec.options.expand_width_for(BUDGET),
-                           backend="torch")
-        expected = SlotTrees.allocate(MAX_REQS, 1 + BUDGET, BUDGET, torch.device("cpu"))
+        sampled = sampled_tree_rows(spec.options, temperature[slots].numpy())
+        want = draft_trees_per_request(
+            tree, last_sampled[slots, 0], pools, BUDGET, sampled.tolist(),
+            step_seeds(seeds[slots], batch.root_positions), weaver=spec.weaver, h_v=h_v,
+            dflash_hidden=mask_states, fanout=spec.options.fanout,
+            expand_width=spec.options.expand_width_for(BUDGET), backend="torch")
+        expected = SlotTrees.allocate(MAX_REQS, 1 + BUDGET, D, torch.device("cpu"), (D, P))
         expected.store(slots, want)
-        print(f"step {number}: batch {n}, round on {padded} rows")
+        print(f"step {number}: batch {n}, round on {padded} rows, sampled {sampled}")
+        assert spec.round_sampling == sampled.any()
+        if tree == "chain":
+            assert not sampled.any() and store.sampled is None
+        else:
+            assert store.sampled_rows(slots.numpy()).tolist() == sampled.tolist()
         _same_tree(store.gather(slots), expected.gather(slots))
+        if sampled.any():  # the draws traversal reads
+            rows = torch.from_numpy(sampled)
+            got, wanted = store.gather(slots, draws=True), expected.gather(slots, draws=True)
+            assert torch.equal(got.pool_ids[rows], wanted.pool_ids[rows])
+            torch.testing.assert_close(got.proposal_logq[rows], wanted.proposal_logq[rows],
+                                       rtol=0, atol=1e-5)
         assert torch.equal(drafts, expected.draft_tokens(slots, BUDGET))
         assert (store.gather(slots).num_nodes > 1).all()
         if kept is not None:  # padded rows went to the spare slot, not to these

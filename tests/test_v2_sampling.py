@@ -254,8 +254,8 @@ def test_tree_verification_samples_v2s_distribution_at_every_node(v2, gen):
         tree, torch.softmax(_chain_reference(sampler, tree, raw, slots, prefix)[0].double(), -1))
     draws = 20000
     many = tree.select(torch.zeros(draws, dtype=torch.long))
-    result = verify_batch(many, processed.expand(draws, -1, -1),
-                          np.full(draws, 0.8), torch.arange(draws) * 7919 + 11)
+    result = verify_batch(many, processed.expand(draws, -1, -1), np.full(draws, 0.8),
+                          np.zeros(draws, dtype=bool), torch.arange(draws) * 7919 + 11, "auto")
     seen: dict[tuple, int] = {}
     for out in result.output_tokens.tolist():
         key = tuple(t for t in out if t >= 0)
@@ -286,7 +286,8 @@ def test_greedy_with_penalties_follows_v2s_argmax_along_the_tree(v2, gen):
             raw[r, j, tree.tokens[r, j]] += 16.0
     processed = process_node_rows(sampler, raw.flatten(0, 1).clone(), tree, prefix, slots,
                                   slots.numpy()).view_as(raw)
-    result = verify_batch(tree, processed, np.zeros(3), torch.arange(3))
+    result = verify_batch(tree, processed, np.zeros(3), np.zeros(3, dtype=bool), torch.arange(3),
+                          "auto")
     expected = _chain_reference(sampler, tree, raw, slots, prefix)
     for r in range(tree.batch_size):
         node, out = 0, []
@@ -331,18 +332,23 @@ def test_path_logprobs_score_each_output_token_at_its_path_node(v2, gen, mode):
             assert int(out.selected_token_ranks[row]) == int((logits >= logits[token]).sum())
 
 
-def _tree_decode_step(tree, slots, prefix):
+def _tree_decode_step(tree, slots, prefix, sampled=None):
     """(slot trees, step, model state, V2 input batch) of a decode step scoring every node
-    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads."""
+    of ``tree``, kept in ``slots``, roots at ``prefix``: what TreeRejectionSampler reads.
+    ``sampled`` [R] bool: the rows of a sampled ``tree`` whose trees are sampled."""
     from vllm_tfm.vllm_glue.v2.trees import SlotTrees
 
     rows, width = tree.tokens.shape
-    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"))
+    pools = None if sampled is None else tuple(tree.pool_ids.shape[1:])
+    store = SlotTrees.allocate(SLOTS, width, tree.max_depth, torch.device("cpu"), pools)
     store.store(slots, tree)
+    if sampled is not None:
+        store.sampled[slots.numpy()] = sampled
     num_nodes = torch.full((rows,), width, dtype=torch.int32)
     step = SimpleNamespace(meta=SimpleNamespace(num_nodes=num_nodes), prefix_lens=prefix,
                            num_nodes_host=num_nodes.numpy().astype(np.int64), accepted_leaf=None)
-    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store), num_nodes=width)
+    state = SimpleNamespace(engine=SimpleNamespace(step=step, trees=store, verify="auto"),
+                            num_nodes=width)
     cu = np.arange(rows + 1, dtype=np.int32) * width
     batch = SimpleNamespace(
         num_reqs=rows, idx_mapping=slots, idx_mapping_np=slots.numpy(),
@@ -367,8 +373,8 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
     stored = store.gather(slots)
     expected = verify_batch(
         stored, _chain_reference(sampler, stored, raw, slots, prefix),
-        sampler.sampling_states.temperature.np[slots.numpy()],
-        step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix))
+        sampler.sampling_states.temperature.np[slots.numpy()], np.zeros(rows, dtype=bool),
+        step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
@@ -410,36 +416,90 @@ def _sampled_with_every_processor():
     return params
 
 
-@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
-def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
-    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
-    device sync on CUDA) over a greedy batch, nor over a sampled one running every
-    processor of V2's sampler; its paths are the reference verifier's."""
+def _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch,
+                                 sampled=None):
+    """(sampler output, step) of TreeRejectionSampler over a decode step of ``tree`` (kept
+    in ``slots``; ``sampled`` as in ``_tree_decode_step``) whose drafts the target likes
+    (paths get accepted), run under ``no_host_reads``."""
     from vllm_tfm.vllm_glue.v2 import model_state
-    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
 
     def num_sampled_and_rejected(num_sampled, seq_lens, cu_num_logits, idx_mapping, prefill):
         # V2's Triton kernel, for a batch of decodes (no prompt chunk among them).
         return num_sampled, cu_num_logits.diff() - num_sampled
 
     monkeypatch.setattr(model_state, "get_num_sampled_and_rejected", num_sampled_and_rejected)
-    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
-    for r, slot in enumerate(slots.tolist()):
-        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
-        _add(sampler, requests, slot, history[:1], history[1:], params())
-    for r in range(tree.batch_size):  # drafts the target likes: paths get accepted
+    for r in range(tree.batch_size):
         for j in range(1, int(tree.num_nodes[r])):
             raw[r, tree.parents[r, j], tree.tokens[r, j]] += 4.0
-    _, step, state, batch = _tree_decode_step(tree, slots, prefix)
+    _, step, state, batch = _tree_decode_step(tree, slots, prefix, sampled)
     verify = model_state.TreeRejectionSampler(state, sampler)
     with no_host_reads():
         with pytest.raises(HostRead, match="__bool__"):
             tree.validate()  # the guard is live
         out = verify(raw.flatten(0, 1), batch)
+    return out, step
+
+
+@pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
+def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
+    """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
+    device sync on CUDA) over a greedy batch, nor over a sampled one running every
+    processor of V2's sampler; its paths are the reference verifier's."""
+    from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
+
+    sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:], params())
+    out, step = _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch)
 
     states = sampler.sampling_states
     expected = verify_batch(tree, _chain_reference(sampler, tree, raw, slots, prefix),
                             states.temperature.np[slots.numpy()],
-                            step_seeds(states.seeds.gpu[slots], prefix))
+                            np.zeros(tree.batch_size, dtype=bool),
+                            step_seeds(states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
     assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
+
+
+def test_sampled_trees_are_verified_by_traversal_reading_nothing_back(v2, gen, monkeypatch):
+    """A batch whose slots hold sampled trees (as a V2 sampling round leaves them): the
+    rejection sampler verifies those rows by traversal, the greedy row greedily and the
+    deterministic sampled row target-only, with no host read."""
+    import dataclasses
+
+    from vllm import SamplingParams
+
+    from vllm_tfm.drafting.draft_round import draft_trees_per_request
+    from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
+    from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
+
+    sampler, requests, slots, plain, raw, prefix = _batch(v2, gen, 4)
+    temperatures = [0.0, 1.0, 0.7, 1.3]
+    for r, slot in enumerate(slots.tolist()):
+        history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
+        _add(sampler, requests, slot, history[:1], history[1:],
+             SamplingParams(temperature=temperatures[r], top_k=20, seed=r + 3))
+    sampled = np.array([False, True, False, True])
+    pools = candidate_pools(torch.randn(4, 3, VOCAB, generator=gen), 3)
+    tree = draft_trees_per_request("ddtree", plain.tokens[:, 0], pools, plain.max_nodes - 1,
+                                   sampled.tolist(), torch.arange(4) * 31 + 1)
+    out, step = _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch,
+                                             sampled)
+
+    states = sampler.sampling_states
+    processed = _chain_reference(sampler, tree, raw, slots, prefix)
+    seeds = step_seeds(states.seeds.gpu[slots], prefix)
+    expected = verify_batch(tree, processed, states.temperature.np[slots.numpy()], sampled,
+                            seeds, "auto")
+    assert torch.equal(step.accepted_leaf, expected.accepted_leaf)
+    assert out.num_sampled.tolist() == (expected.accepted_len + 1).tolist()
+    probs = torch.softmax(processed.float(), -1)
+    width = tree.max_nodes
+    traversal = verify_traversal(tree, probs, seeds)
+    deterministic = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
+    by_row = [verify_greedy(tree, processed), traversal,
+              verify_target_only(deterministic, probs, seeds), traversal]
+    for r, result in enumerate(by_row):
+        assert int(step.accepted_leaf[r]) == int(result.accepted_leaf[r]), r
+        assert out.sampled_token_ids[r].tolist() == sampled_tokens(result, width)[r].tolist()

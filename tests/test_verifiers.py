@@ -471,6 +471,31 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
     assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_traversal_reads_nothing_back_from_the_device(sampled, gen):
+    """No host read (each would be a device sync on CUDA): the plan's loops come from the
+    trees' shapes only, sampled trees and deterministic ones (sibling order drawn)."""
+    from host_reads import HostRead, no_host_reads
+
+    parents = SAMPLED_SHAPES["bushy"]
+    vocab, pool = 5, 3
+    pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool] for _ in range(3)])
+    draft = ContextLaw(vocab, 3, "smooth")
+    tree, _ = next(sampled_trees(parents, pool_ids, lambda c: torch.log(
+        draft(c)[pool_ids[len(c) - 1]]).float(), 0))
+    if not sampled:
+        tree = DraftTree(**{**{f.name: getattr(tree, f.name) for f in fields(tree)},
+                            "pool_ids": None, "proposal_logq": None})
+    batch = replicate(tree, 3)
+    probs = target_probs(tree, ContextLaw(vocab, 4, "peaky")).nan_to_num(0.2).expand(3, -1, -1)
+    seeds = torch.tensor([1, 2, 3])
+    with no_host_reads():
+        with pytest.raises(HostRead):
+            tree.validate()  # the guard is live
+        result = verify_traversal(batch, probs, seeds, validate=False)
+    assert torch.equal(result.output_tokens, verify_traversal(batch, probs, seeds).output_tokens)
+
+
 def test_traversal_beats_target_only_on_sampled_chain():
     """The reason traversal exists: on a chain drawn from q = p it accepts
     every token, while target-only accepts a drawn token with prob p(x)."""
@@ -745,15 +770,21 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
                                     weaver=weaver, h_v=h_v, dflash_hidden=hidden,
                                     validate=False)
     assert trees.sampled
-    trees.validate(vocab_size=V)
+    assert_sampled_trees_lossless(trees, ContextLaw(
+        V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind), root)
+
+
+def assert_sampled_trees_lossless(trees: DraftTree, law: ContextLaw, root: int) -> DraftTree:
+    """``trees``: one request's sampled trees drawn with many seeds. Their distinct
+    realisations must hold all the draw's mass, and their traversal outcomes, weighted by
+    it, follow ``law``'s multi-step law to 1e-10. Returns the realisations."""
+    trees.validate(vocab_size=law.vocab)
     distinct = {}
     for r, row in enumerate(trees.tokens.tolist()):
         distinct.setdefault(tuple(row), r)
-    rows = torch.tensor(sorted(distinct.values()))
-    realised = trees.select(rows)
-    weights = [plackett_luce_weight(realised, r) for r in range(len(rows))]
+    realised = trees.select(torch.tensor(sorted(distinct.values())))
+    weights = [plackett_luce_weight(realised, r) for r in range(realised.batch_size)]
     assert abs(sum(weights) - 1.0) < TOL, f"realisations seen hold mass {sum(weights)}"
-    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     outcomes = {}
     for r, tree_weight in enumerate(weights):
         tree = realised.select(torch.tensor([r]))
@@ -763,3 +794,4 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
         check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
+    return realised

@@ -18,17 +18,22 @@ from): no speculation (the reference) and dflash_tfm weaver B=7. The same prompt
 - prompt logprobs (2 per position): within ``LOGPROB_TOLERANCE`` of the reference's;
 - sampled, T=0.8, top_k 20, top_p 0.95, min_tokens 8, seeded, 1 processed logprob: every
   request completes and every sampled token has a finite processed logprob (it lies inside
-  the top-k / top-p support the tree path computed);
+  the top-k / top-p support the tree path computed); run twice, the same tokens (a seeded
+  request's tree draws and verification come from its seed and positions);
+- T=1, seeded, ``DISTRIBUTION_SAMPLES`` samples of one prompt: the joint law of the
+  generated tokens equal to no speculation's (a chi-square homogeneity test, as a z score);
 - min_p: refused by vLLM itself with speculative decoding (checked, not applied).
 
-It also requires tree steps to have replayed FULL graphs (none PIECEWISE) and every tree
-kernel to have run. Prints one table last, writes OUT/v2_sampling.{md,json}; exit 1 on a
+At T >= 0.75 the Weaver engine drafts sampled trees and verifies them by traversal
+(``verify`` "auto"): both must have happened (counted). It also requires tree steps to have
+replayed FULL graphs (none PIECEWISE) and every tree kernel to have run. Prints one table last, writes OUT/v2_sampling.{md,json}; exit 1 on a
 failed check.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import math
@@ -60,6 +65,10 @@ from vllm_tfm.tiny.launch_counts import (
 LOGPROB_TOLERANCE = 3e-2
 TREE_LABEL = "dflash_tfm weaver B=7"
 PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.2)
+# T = 1 law check: samples of one prompt, tokens each; z above the limit fails (a z score of
+# 4 is a p-value of about 3e-5 when both engines sample one law).
+DISTRIBUTION_SAMPLES, DISTRIBUTION_TOKENS, DISTRIBUTION_Z_LIMIT = 1000, 4, 4.0
+SAMPLING_ROUNDS, TRAVERSALS = "sampling draft rounds", "traversal verifications"
 
 
 def _cases(max_tokens: int) -> dict[str, dict]:
@@ -107,6 +116,15 @@ def _run_engine(models: Path, speculative_config: dict | None, max_tokens: int) 
                 "logprobs": _logprob_lists(outputs),
                 "prompt_logprobs": _prompt_logprob_lists(outputs),
             }
+        if speculative_config is not None:  # the seeded run again: the same tokens
+            again = llm.generate(prompts, [SamplingParams(**_cases(max_tokens)[
+                "sampled top-k / top-p"], seed=1000 + i) for i in range(len(prompts))],
+                use_tqdm=False)
+            result["sampled again"] = [list(o.outputs[0].token_ids) for o in again]
+        law = [SamplingParams(temperature=1.0, max_tokens=DISTRIBUTION_TOKENS, ignore_eos=True,
+                              seed=5000 + i) for i in range(DISTRIBUTION_SAMPLES)]
+        outputs = llm.generate(prompts[:1] * DISTRIBUTION_SAMPLES, law, use_tqdm=False)
+        result["T=1 distribution"] = [list(o.outputs[0].token_ids) for o in outputs]
         result["timed greedy"] = timed_generate(
             llm, prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens,
                                          ignore_eos=True))
@@ -168,6 +186,52 @@ def _sampled_check(spec: dict, max_tokens: int) -> tuple[str, bool]:
             "the processed support"), ok
 
 
+def _homogeneity_z(a: list[tuple], b: list[tuple]) -> tuple[float, int]:
+    """Chi-square homogeneity of two samples of outcomes (outcomes seen fewer than 10 times
+    in both together pooled into one), as a Wilson-Hilferty z score (about N(0, 1) when
+    both samples come from one law), and its degrees of freedom."""
+    pooled = collections.Counter(a) + collections.Counter(b)
+
+    def counts(sample):
+        return collections.Counter(o if pooled[o] >= 10 else "rare" for o in sample)
+
+    first, second = counts(a), counts(b)
+    share = len(a) / (len(a) + len(b))
+    statistic = 0.0
+    for outcome in first.keys() | second.keys():
+        total = first[outcome] + second[outcome]
+        for seen, expected in ((first[outcome], total * share),
+                               (second[outcome], total * (1 - share))):
+            statistic += (seen - expected) ** 2 / expected
+    dof = len(first.keys() | second.keys()) - 1
+    if dof == 0:
+        return 0.0, 0
+    spread = 2 / (9 * dof)
+    return ((statistic / dof) ** (1 / 3) - (1 - spread)) / math.sqrt(spread), dof
+
+
+def _count_sampled_trees() -> None:
+    """Count, in LAUNCHES, V2 draft rounds that grew sampled trees and traversal
+    verifications."""
+    from vllm_tfm.vllm_glue import verify
+    from vllm_tfm.vllm_glue.v2.speculator import TreeSpeculator
+
+    propose, traversal = TreeSpeculator.propose, verify.verify_traversal
+
+    def counted_propose(self, *args, **kwargs):
+        drafts = propose(self, *args, **kwargs)
+        if self.round_sampling and not kwargs.get("dummy_run", False):
+            LAUNCHES[SAMPLING_ROUNDS] += 1
+        return drafts
+
+    def counted_traversal(*args, **kwargs):
+        LAUNCHES[TRAVERSALS] += 1
+        return traversal(*args, **kwargs)
+
+    TreeSpeculator.propose = counted_propose
+    verify.verify_traversal = counted_traversal
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", type=Path, required=True)
@@ -182,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     register()  # no entry point in the harness
     count_project_kernel_launches()
     count_v2_graph_dispatch()
+    _count_sampled_trees()
     tree_config = next(c for label, _, c in configurations(args.models) if label == TREE_LABEL)
     rows: list[tuple[str, str, bool]] = []
     runs: dict = {}
@@ -201,6 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("prompt logprobs", f"gap {gap:.4f}", gap <= LOGPROB_TOLERANCE))
         rows.append(("sampled top-k / top-p", *_sampled_check(
             tree["sampled top-k / top-p"], args.max_tokens)))
+        same = tree["sampled again"] == tree["sampled top-k / top-p"]["tokens"]
+        rows.append(("seeded sampled run repeated", "same tokens" if same else "DIFFERENT",
+                     same))
+        z, dof = _homogeneity_z([tuple(t) for t in base["T=1 distribution"]],
+                                [tuple(t) for t in tree["T=1 distribution"]])
+        rows.append(("T=1 law", f"{DISTRIBUTION_SAMPLES} samples of {DISTRIBUTION_TOKENS} "
+                     f"tokens each: chi-square z {z:.2f} ({dof} dof)",
+                     z < DISTRIBUTION_Z_LIMIT))
         rows.append(("min_p", tree["min_p"][:160], tree["min_p"].startswith("refused")
                      and "min_p" in tree["min_p"]))
         launches = {k: v - before.get(k, 0) for k, v in LAUNCHES.items()
@@ -209,6 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         full = launches.get("tree steps, graph mode FULL", 0) > 0
         rows.append(("graphs", graphs, full and not launches.get(
             "tree steps, graph mode PIECEWISE")))
+        drafted = (f"{launches.get(SAMPLING_ROUNDS, 0)} sampling rounds, "
+                   f"{launches.get(TRAVERSALS, 0)} traversal verifications")
+        rows.append(("sampled trees", drafted, launches.get(SAMPLING_ROUNDS, 0) > 0
+                     and launches.get(TRAVERSALS, 0) > 0))
         missing = missing_kernels(launches, "weaver", False)
         rows.append(("tree kernels", "all ran" if not missing else "MISSING "
                      + ", ".join(missing), not missing))

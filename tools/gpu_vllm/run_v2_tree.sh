@@ -18,7 +18,10 @@
 #          (tools/gpu_v2_sampling.py): greedy and greedy + repetition / presence / frequency
 #          penalties equal up to bf16 ties with logprobs within 3e-2, prompt logprobs within
 #          3e-2, a sampled top_k 20 / top_p 0.95 / min_tokens run complete inside its processed
-#          support, min_p refused by vLLM, tree steps replaying FULL graphs.
+#          support and repeated with the same tokens (seeded), sampled trees drafted and
+#          verified by traversal (T >= 0.75), the T=1 law of 1000 samples equal to no
+#          speculation's (chi-square z < 4), min_p refused by vLLM, tree steps replaying
+#          FULL graphs.
 # Stage 4: what a user gets with no settings once V2 is dflash_tfm's default: vLLM's default
 #          compilation and graphs (torch.compile, FULL + PIECEWISE), weaver B=7, staggered
 #          requests (prompt chunks beside trees): greedy vs no speculation, tree steps never
@@ -61,7 +64,7 @@ stage() {  # name, timeout seconds, then "e2e" and gpu_e2e.py run arguments, or 
 stage 1-eager 200 e2e --cudagraphs off --configs "weaver B=7" --deadline-s 150
 stage 2-full-graphs 280 e2e --cudagraphs full-decode --configs "weaver B=7" \
     "ddtree B=7" --deadline-s 200
-stage 3-sampling 270 python3 tools/gpu_v2_sampling.py --models "$MODELS" \
+stage 3-sampling 360 python3 tools/gpu_v2_sampling.py --models "$MODELS" \
     --out "$OUT/3-sampling" --max-tokens 32
 stage 4-default 280 e2e --cudagraphs default --configs "weaver B=7" --staggered --deadline-s 200
 stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$MODELS" \

@@ -72,6 +72,7 @@ def draft_trees(
     backend: str = "auto",
     sample_seeds: torch.Tensor | None = None,
     constraint: ChildConstraint | None = None,
+    fixed_widths: bool = False,
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -99,6 +100,8 @@ def draft_trees(
         constraint: the tokens each expanded node's children may take (a grammar;
             see ``builders.ChildConstraint``). It reads the host, so a constrained
             round runs eagerly (``DraftRound`` takes none).
+        fixed_widths: sampled trees only: the build that reads nothing back from the
+            device (``build_sampled_tree``), the same trees.
     """
     ids, scores = pools
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
@@ -109,7 +112,8 @@ def draft_trees(
                            constraint=constraint)
     if tree == "ddtree" and sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds,
-                                  validate=validate, constraint=constraint)
+                                  validate=validate, constraint=constraint,
+                                  fixed_widths=fixed_widths)
     if tree == "ddtree":
         return build_ddtree(root_tokens, ids, scores, budget, validate=validate,
                             constraint=constraint)
@@ -127,7 +131,8 @@ def draft_trees(
     )
     if sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds, session,
-                                  validate=validate, constraint=constraint)
+                                  validate=validate, constraint=constraint,
+                                  fixed_widths=fixed_widths)
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
         validate=validate, backend=backend, constraint=constraint,
@@ -221,6 +226,43 @@ def draft_trees_per_request(
                                  .expand(plain_rows.numel(), -1, -1), drawn.proposal_logq]),
     )
     return joined.select(torch.argsort(torch.cat([plain_rows, sampled_rows])))
+
+
+def draft_trees_by_mask(
+    tree: str,
+    root_tokens: torch.Tensor,
+    pools: CandidatePools,
+    budget: int,
+    sampled: torch.Tensor,
+    seeds: torch.Tensor,
+    **options,
+) -> DraftTree:
+    """Row r: the sampled tree (seed ``seeds[r]``) where ``sampled[r]`` ([R] bool on the
+    device), else the deterministic tree. Both are grown for every row and chosen row by
+    row on the device, so nothing is read back and a CUDA graph can hold the round.
+
+    Every row carries pools and proposals; a deterministic row's proposals are -inf (only
+    verifiers that ignore them may read it, as in :func:`draft_trees_per_request`).
+    ``options``: the other arguments of :func:`draft_trees` but ``constraint`` (which reads
+    the host).
+    """
+    plain = draft_trees(tree, root_tokens, pools, budget, **options)
+    drawn = draft_trees(tree, root_tokens, pools, budget, sample_seeds=seeds,
+                        fixed_widths=True, **options)
+    if plain.max_nodes != drawn.max_nodes:
+        raise ValueError(f"deterministic and sampled trees differ in width: {plain.max_nodes} "
+                         f"vs {drawn.max_nodes}")
+    row = sampled.view(-1, 1)
+    return DraftTree(
+        tokens=torch.where(row, drawn.tokens, plain.tokens),
+        parents=torch.where(row, drawn.parents, plain.parents),
+        depths=torch.where(row, drawn.depths, plain.depths),
+        num_nodes=torch.where(sampled, drawn.num_nodes, plain.num_nodes),
+        draft_logq=torch.where(row, drawn.draft_logq, plain.draft_logq),
+        max_depth=max(plain.max_depth, drawn.max_depth),
+        pool_ids=drawn.pool_ids,
+        proposal_logq=drawn.proposal_logq.masked_fill(~row[..., None], float("-inf")),
+    )
 
 
 class DraftRound:

@@ -82,12 +82,14 @@ class DraftTree:
         node = torch.arange(self.max_nodes, device=self.tokens.device)
         return node < self.num_nodes.view(-1, 1)
 
-    def children(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def children(self, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Children of every node, in node order.
 
+        Args:
+            width: K, at least the largest child count (None: that count, one host read).
+
         Returns:
-            children: [R, N, K] int64 node indices, -1 padded, K = the largest
-                child count in the batch (one host read).
+            children: [R, N, K] int64 node indices, -1 padded.
             counts: [R, N] int64 number of children.
         """
         R, N = self.tokens.shape
@@ -96,7 +98,8 @@ class DraftTree:
         # is_child[r, v, i]: node i hangs under node v.
         is_child = parent[:, None, :] == torch.arange(N, device=device)[None, :, None]
         counts = is_child.sum(-1)
-        width = int(counts.max()) if N > 0 else 0
+        if width is None:
+            width = int(counts.max()) if N > 0 else 0
         rank = is_child.long().cumsum(-1) - 1
         slot = torch.gather(rank, 1, parent.clamp(min=0)[:, None, :]).squeeze(1)  # [R, N]
         dump = N * width  # padding nodes write to one scratch column, dropped below

@@ -173,6 +173,7 @@ def verify_traversal(
     On a deterministic tree each node's children are visited in the order of
     ``draft_logq + Gumbel`` (sampling without replacement from q restricted to
     the children); sampled trees are visited in their sample (node) order.
+    Nothing is read back from the device.
     """
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
@@ -222,11 +223,13 @@ def traversal_plan(
 
     Rather than replaying coins leaf by leaf, this computes the same outcome
     law top-down: every state update depends only on the tree, so the
-    alphas of all nodes follow from one pass per depth (siblings in visiting
-    order), subtree acceptance probabilities A from one pass per depth
-    upward (A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v,
+    alphas of all nodes follow from one pass over the nodes (``_visit_nodes``),
+    subtree acceptance probabilities A from one pass per depth upward
+    (A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v,
     alpha'_v after all children's rejections), and the walk draws at each
-    node "child j" or "stop" with those probabilities over A_v.
+    node "child j" or "stop" with those probabilities over A_v. Loop counts
+    come from the trees' shapes (N nodes, max_depth), so nothing is read back
+    from the device; the plan's K is N - 1, the most children a node can have.
 
     Proposals: sampled trees use ``proposal_logq`` over the node's pool row
     (children in node order = sample order). Deterministic trees use q
@@ -243,7 +246,7 @@ def traversal_plan(
     R, N = tree.tokens.shape
     device = tree.tokens.device
     batch = torch.arange(R, device=device)[:, None, None]
-    children, _ = tree.children()
+    children, _ = tree.children(N - 1)
     K = children.shape[2]
     present = children >= 0
     if sibling_keys is not None:
@@ -284,20 +287,14 @@ def traversal_plan(
     # would give the walk a ~1e-13 chance to stop where no bonus token has mass.
     outside = torch.where(outside > OUTSIDE_MASS_FLOOR, outside, 0.0)
 
-    levels = int(tree.depths.max()) + 1  # one host read
     flat_children = torch.where(present, children, N).view(R, -1)
-    alpha = torch.zeros(R, N, dtype=torch.float64, device=device)
-    alpha[:, 0] = 1
-    for _ in range(levels):
-        child_alpha, last_alpha, residual, scale = _visit_children(
-            alpha, target, outside, proposal, child_pos
-        )
-        # Pass t starts from alphas exact down to depth t, so the last pass
-        # sees converged alphas and its final sibling states are the real ones.
-        alpha = _place(child_alpha, flat_children, R, N)
+    rank = _per_node(torch.arange(K, device=device).expand(R, N, K), flat_children)
+    alpha, last_alpha, residual, scale = _visit_nodes(
+        tree, rank, _per_node(child_pos, flat_children), target, outside, proposal)
 
     accept = last_alpha
-    for _ in range(levels):
+    # Pass t makes A exact for the nodes t levels above the deepest: max_depth + 1 passes.
+    for _ in range(tree.max_depth + 1):
         accept, before, after_all, child_accept = _subtree_accept(
             accept, last_alpha, children, present
         )
@@ -342,51 +339,67 @@ def traversal_walk(
     return _finish(tree, node, bonus)
 
 
-def _place(values: torch.Tensor, flat_children: torch.Tensor, R: int, N: int) -> torch.Tensor:
-    """Alphas per node from per-(parent, slot) values; the root keeps 1."""
-    alpha = values.new_zeros(R, N + 1)
-    alpha.scatter_(1, flat_children, values.view(R, -1))
-    alpha[:, 0] = 1
-    return alpha[:, :N]
+def _per_node(values: torch.Tensor, flat_children: torch.Tensor) -> torch.Tensor:
+    """[R, N]: each node's entry of ``values`` ([R, N, K], by parent and visiting slot, as
+    the children table); -1 for the root and padding nodes."""
+    R, N = values.shape[:2]
+    out = values.new_full((R, N + 1), -1)
+    out.scatter_(1, flat_children, values.reshape(R, -1))
+    return out[:, :N]
 
 
-def _visit_children(alpha, target, outside, proposal, child_pos):
-    """Run every node's sibling loop from its weight ``alpha`` [R, N].
+def _visit_nodes(tree, rank, support_index, target, outside, proposal):
+    """Run every node's sibling loop (``traversal_plan``'s state updates) in one pass over
+    the nodes, ordered by depth then visiting ``rank`` ([R, N]): a node comes after its
+    parent, whose weight is then final, and after its earlier siblings, whose rejections
+    its parent's state has then seen. ``support_index`` [R, N]: each node's index in its
+    parent's support. The residual target at a node is kept as ``scale * p`` off the
+    support plus explicit values ``residual`` on it (p normalised).
 
-    The residual target at a node is kept as ``scale * p`` off the support
-    plus explicit values ``residual`` on it (p normalised). Returns the
-    children's alphas [R, N, K] and the node's final (alpha, residual, scale).
+    Returns each node's weight alpha [R, N] and its state after all its children's
+    rejections: weight [R, N], residual [R, N, S], scale [R, N].
     """
-    a = alpha
-    residual = target
-    scale = torch.ones_like(alpha)
-    q = proposal
-    child_alpha = torch.zeros(child_pos.shape, dtype=torch.float64, device=alpha.device)
-    for j in range(child_pos.shape[-1]):
-        pos = child_pos[..., j]
-        at = pos.clamp(min=0)[..., None]
-        q_x = q.gather(-1, at)[..., 0]
+    R, N = tree.tokens.shape
+    rows = torch.arange(R, device=target.device)
+    parents = torch.where(tree.valid, tree.parents.long(), -1)
+    # The root first (depth 0, rank -1), padding last.
+    key = torch.where(tree.valid, tree.depths.long() * N + rank, N * N)
+    order = torch.argsort(key, dim=1, stable=True)
+    weight = torch.zeros(R, N, dtype=torch.float64, device=target.device)
+    weight[:, 0] = 1
+    alpha = weight.clone()
+    residual, scale, q = target.clone(), torch.ones_like(weight), proposal.clone()
+    for k in range(1, N):
+        node = order[:, k]
+        parent = parents[rows, node]
+        up = parent.clamp(min=0)
+        pos = support_index[rows, node]
+        a, p, s, q_u = weight[rows, up], residual[rows, up], scale[rows, up], q[rows, up]
+        at = pos.clamp(min=0)[:, None]
+        q_x = q_u.gather(-1, at)[:, 0]
         # A zero-mass child cannot have been drawn: it is not part of the draft.
-        real = (pos >= 0) & (q_x > 0)
-        p_x = residual.gather(-1, at)[..., 0]
+        real = (parent >= 0) & (pos >= 0) & (q_x > 0)
+        p_x = p.gather(-1, at)[:, 0]
         ratio = a * p_x / torch.where(real, q_x, 1.0)
-        child_alpha[..., j] = torch.where(real, ratio.clamp(max=1), 0.0)
-        excess = (a[..., None] * residual - q).clamp(min=0)
-        z = excess.sum(-1) + a * scale * outside
+        node_alpha = torch.where(real, ratio.clamp(max=1), 0.0)
+        excess = (a[:, None] * p - q_u).clamp(min=0)
+        z = excess.sum(-1) + a * s * outside[rows, up]
         alive = real & (z > 0)
         z_safe = torch.where(alive, z, 1.0)
-        left = q.scatter(-1, at, 0.0)
+        left = q_u.scatter(-1, at, 0.0)
         left_mass = left.sum(-1, keepdim=True)
         new_q = torch.where(left_mass > 0, left / torch.where(left_mass > 0, left_mass, 1.0), 0.0)
         # With z = 0 the rejection has probability 0: the state is never used.
         new_a = torch.where(alive, z / (1 - a + z_safe), 0.0)
-        new_residual = torch.where(alive[..., None], excess / z_safe[..., None], 0.0)
-        new_scale = torch.where(alive, a * scale / z_safe, 0.0)
-        a = torch.where(real, new_a, a)
-        residual = torch.where(real[..., None], new_residual, residual)
-        scale = torch.where(real, new_scale, scale)
-        q = torch.where(real[..., None], new_q, q)
-    return child_alpha, a, residual, scale
+        new_residual = torch.where(alive[:, None], excess / z_safe[:, None], 0.0)
+        new_scale = torch.where(alive, a * s / z_safe, 0.0)
+        weight[rows, up] = torch.where(real, new_a, a)
+        residual[rows, up] = torch.where(real[:, None], new_residual, p)
+        scale[rows, up] = torch.where(real, new_scale, s)
+        q[rows, up] = torch.where(real[:, None], new_q, q_u)
+        alpha[rows, node] = node_alpha
+        weight[rows, node] = node_alpha
+    return alpha, weight, residual, scale
 
 
 def _subtree_accept(accept, last_alpha, children, present):
@@ -429,7 +442,7 @@ def _descend(tree: DraftTree, pick) -> VerifyResult:
 
     Each move matches the token against every node whose parent is the current one
     (sibling tokens are distinct: at most one matches), rather than against a children
-    table, whose width is a host read."""
+    table, N - 1 columns wide unless its width is read back."""
     R = tree.batch_size
     device = tree.tokens.device
     parents = torch.where(tree.valid, tree.parents.long(), -1)

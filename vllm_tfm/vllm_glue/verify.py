@@ -55,13 +55,6 @@ from vllm_tfm.vllm_glue.thinking import tree_holder
 from vllm_tfm.vllm_glue.tree_step import to_device
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
-# Verifier of a sampled request whose tree is deterministic. Traversal has exactly
-# target-only's outcome law there, at a higher cost, so "auto" takes target-only.
-_DETERMINISTIC_TREE_VERIFIERS = {
-    "auto": verify_target_only,
-    "traversal": verify_traversal,
-    "target_only": verify_target_only,
-}
 
 
 def node_logits(logits: torch.Tensor, ends: torch.Tensor, num_nodes: torch.Tensor,
@@ -154,21 +147,43 @@ def greedy_requests(input_batch, num_reqs: int) -> np.ndarray:
     return input_batch.temperature_cpu[:num_reqs] < _GREEDY_TEMPERATURE_EPS
 
 
-def sampled_tree_requests(options: TfmOptions, sampling, num_reqs: int) -> list[bool]:
-    """Per request: draft a tree whose children are sampled (verified by traversal).
+def draws_sampled_trees(options: TfmOptions) -> bool:
+    """Whether ``options`` give any request a tree whose children are sampled."""
+    return options.verify in ("auto", "traversal") and options.tree in SAMPLED_TREE_KINDS
+
+
+def sampled_tree_rows(options: TfmOptions, temperature: np.ndarray) -> np.ndarray:
+    """[R] bool on the host, per request of temperature ``temperature[r]``: draft a tree
+    whose children are sampled (verified by traversal).
 
     True, when the tree kind has a sampled form, for the sampled requests
     (temperature > 0) under ``verify`` "traversal", and for those at the tree
     kind's ``AUTO_SAMPLED_TREE_MIN_TEMPERATURE`` or above under "auto"; greedy
     requests and "target_only" / "greedy" keep deterministic trees.
     """
-    if (options.verify not in ("auto", "traversal") or options.tree not in SAMPLED_TREE_KINDS
-            or sampling is None or sampling.all_greedy):
-        return [False] * num_reqs
+    if not draws_sampled_trees(options):
+        return np.zeros(temperature.shape, dtype=bool)
     lowest = _GREEDY_TEMPERATURE_EPS
     if options.verify == "auto":
         lowest = max(lowest, AUTO_SAMPLED_TREE_MIN_TEMPERATURE[options.tree])
-    return (sampling.temperature[:num_reqs].cpu() >= lowest).tolist()
+    return temperature >= lowest
+
+
+def sampled_tree_requests(options: TfmOptions, sampling, num_reqs: int) -> list[bool]:
+    """``sampled_tree_rows`` of V1's batch (``sampling``: its SamplingMetadata)."""
+    if sampling is None or sampling.all_greedy:
+        return [False] * num_reqs
+    return sampled_tree_rows(options, sampling.temperature[:num_reqs].cpu().numpy()).tolist()
+
+
+def verify_option(verify: str, greedy: np.ndarray) -> tuple[np.ndarray, str]:
+    """The ``verify`` option applied to a batch whose requests decode greedily where
+    ``greedy``: "greedy" verifies every request greedily; the other modes keep greedy
+    requests greedy and name how sampled requests' deterministic trees are verified
+    (``verify_trees``' ``mode``)."""
+    if verify == "greedy":
+        return np.ones_like(greedy), "auto"
+    return greedy, verify
 
 
 def request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
@@ -209,8 +224,8 @@ def verify_trees(
 ) -> VerifyResult:
     """Accept one path per request.
 
-    The verifiers are chosen from host state, so that choosing reads nothing back from
-    the device: a batch of greedy requests verifies without a host sync.
+    The verifiers are chosen from host state and read nothing back from the device: a
+    batch verifies without a host sync.
 
     Args:
         logits: [R, N, V] target logits per node after the request-level
@@ -218,7 +233,9 @@ def verify_trees(
             greedy: [R] bool on the host, the request decodes greedily;
             sampled_tree: [R] bool on the host, the request's tree has sampled
             children (traversal verifies it; the other sampled requests take
-            ``mode``'s deterministic-tree verifier).
+            ``mode``'s deterministic-tree verifier: traversal for "traversal", else
+            target-only, whose outcome law traversal only equals there, at a higher
+            cost).
     """
     result = verify_greedy(tree, logits, validate=False)
     if greedy.all():
@@ -233,7 +250,10 @@ def verify_trees(
         # A batch holding sampled trees carries proposals on every row; these rows' trees
         # are deterministic and are verified as such.
         plain = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
-        verified = _DETERMINISTIC_TREE_VERIFIERS[mode](plain, probs, seeds, validate=False)
+        if mode == "traversal":
+            verified = verify_traversal(plain, probs, seeds, validate=False)
+        else:
+            verified = verify_target_only(plain, probs, seeds, validate=False)
         result = _merge(verified, result, deterministic)
     return result
 
@@ -261,10 +281,8 @@ def verify_step(runner, step, logits: torch.Tensor, spec_metadata) -> SamplerOut
         processed = apply_sampling_constraints(
             scored.flatten(0, 1).clone(), cu_rows, sampling
         ).view_as(scored)
-    if options.verify == "greedy":
-        greedy = np.ones(num_reqs, dtype=bool)
+    greedy, mode = verify_option(options.verify, greedy)
     seeds = request_seeds(sampling, num_reqs, raw.device)
-    mode = "auto" if options.verify == "greedy" else options.verify
     sampled_tree = runner.drafter.scheduled_sampled(step.req_ids)
     result = verify_trees(tree, scored, processed, greedy, sampled_tree, seeds, mode)
     step.accepted_leaf = result.accepted_leaf

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from vllm_tfm.vllm_glue.tree_step import StepSlot, TreeStep
 
 ENGINE_KEY = "vllm_tfm.v2_engine"
@@ -23,9 +25,13 @@ class TreeEngine:
     trees: Any  # trees.SlotTrees
     slot: StepSlot  # what the layers read during the target forward
     draft_layer_names: set[str]  # the drafter's attention layers (no tree commit)
+    verify: str  # the ``verify`` option: how the model state verifies sampled requests
     # The step scored by the last target forward, from its prepare_attn until the
     # speculator has read its accepted paths (context order, bonus rows).
     step: TreeStep | None = None
+    # V2's per-slot temperatures on the host (SamplingStates.temperature.np, filed by the
+    # model state's custom_sampler): which requests' next trees are sampled.
+    temperature: np.ndarray | None = None
 
 
 def install_engine(static_forward_context: dict, engine: TreeEngine) -> None:

@@ -10,7 +10,9 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
   the graph holds the tree kernels (one capture step per query length 1 + k of the
   batch-size schedule, ``graphed_steps_by_length``);
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
-  (V2's sampling processing per node, tree verification, logprobs along the path);
+  (V2's sampling processing per node, tree verification, logprobs along the path); the
+  sampler's per-slot host temperatures go to the engine record, where the speculator reads
+  which requests' next trees are sampled;
 - ``postprocess_state`` (after sampling): commits the accepted paths (KV rows, GDN and
   conv states; a step that replayed a FULL graph through that graph's buffers, captured
   as a CUDA graph of its own per (size, request count), ``GraphedTreeSteps.commit``),
@@ -139,6 +141,7 @@ class TreeModelState(MambaHybridModelState):
         super().capture_inner_cudagraphs(*args, **kwargs)
 
     def custom_sampler(self, sampler):
+        self.engine.temperature = sampler.sampling_states.temperature.np
         return sampler, TreeRejectionSampler(self, sampler)
 
     def postprocess_state(self, idx_mapping, num_sampled, num_computed_tokens=None) -> None:
@@ -201,7 +204,10 @@ class TreeRejectionSampler:
         num_reqs = input_batch.num_reqs
         slots = input_batch.idx_mapping[:num_reqs]
         slots_np = input_batch.idx_mapping_np[:num_reqs]
-        tree = state.engine.trees.gather(slots).truncate(step.meta.num_nodes)
+        trees = state.engine.trees
+        sampled_tree = trees.sampled_rows(slots_np)
+        tree = trees.gather(slots, draws=bool(sampled_tree.any())).truncate(
+            step.meta.num_nodes)
         width = tree.max_nodes
         raw = node_logits(logits, input_batch.cu_num_logits[1:], step.meta.num_nodes, width,
                           full=bool((step.num_nodes_host == width).all()))
@@ -209,7 +215,9 @@ class TreeRejectionSampler:
             sampler, raw.flatten(0, 1), tree, step.prefix_lens, slots, slots_np).view_as(raw)
         sampling = sampler.sampling_states
         result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
-                              step_seeds(sampling.seeds.gpu[slots], step.prefix_lens))
+                              sampled_tree,
+                              step_seeds(sampling.seeds.gpu[slots], step.prefix_lens),
+                              state.engine.verify)
         step.accepted_leaf = result.accepted_leaf
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens,

@@ -22,8 +22,17 @@ vLLM's ``prepare_dflash_inputs`` wrote into the block's first query rows, h_v an
 request slots are copied into persistent buffers by ``propose`` (``_stage_round``), the
 pools and DFlash states are made in the graph. A replay computes trees for the padded rows
 too (every op of a round is per request): their slot index is a spare slot past the
-requests', so they land there. V2 drafts deterministic trees for every request (its
-verifier checks sampled requests target-only, ``v2/verify.py``): nothing falls back.
+requests', so they land there.
+
+Sampled trees (``verify`` "auto" / "traversal", ``verify.sampled_tree_rows``): a batch
+holding a request that wants one runs a sampling round, which grows both tree kinds for
+every row and keeps, row by row on the device, the sampled tree where ``round_sampled``
+marks the row (``draft_trees_by_mask``); it is captured in a second set of draft graphs
+per k, so a batch with no such request keeps the deterministic round and its cost. The
+host knows which rows want one from V2's per-slot temperatures (``TreeEngine.temperature``)
+and records it per slot for the verifier (``SlotTrees.sampled``). A row's draws are seeded
+by its request's seed and the position of the tree's root (``_draw_seeds``), as its
+verification is (``v2/verify.py::step_seeds``): a seeded request reproduces.
 
 A step's budget k is vLLM's (``propose(..., num_speculative_tokens=k)``): the scheduler
 reads it off the batch-size schedule (``num_speculative_tokens_per_batch_size``, the
@@ -43,21 +52,32 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
-from vllm_tfm.drafting.draft_round import CandidatePools, candidate_pools, draft_depth, draft_trees
+from vllm_tfm.drafting.draft_round import (
+    CandidatePools,
+    candidate_pools,
+    draft_depth,
+    draft_trees,
+    draft_trees_by_mask,
+)
 from vllm_tfm.options import TfmOptions
 from vllm_tfm.vllm_glue.proposer import _embedding_and_head
-from vllm_tfm.vllm_glue.tree_step import install_step_slot
+from vllm_tfm.vllm_glue.tree_step import install_step_slot, to_device
 from vllm_tfm.vllm_glue.v2.engine import TreeEngine, install_engine
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees
+from vllm_tfm.vllm_glue.v2.verify import step_seeds
+from vllm_tfm.vllm_glue.verify import draws_sampled_trees, sampled_tree_rows
 
 
-# The speculator attribute holding the draft graph manager of round budget k.
-_DRAFT_GRAPHS = "draft_graphs_k{}"
+def _graphs_attribute(budget: int, sampling: bool) -> str:
+    """The speculator attribute holding the draft graph manager of round budget
+    ``budget``, of deterministic or of sampling rounds."""
+    return f"{'sampling_' if sampling else ''}draft_graphs_k{budget}"
 
 
 def _depth_config(vllm_config, depth: int):
@@ -93,8 +113,11 @@ class TreeSpeculator(DFlashSpeculator):
         state; ``budgets``: every k a step may draft (``round_budgets``)."""
         self.budget = self.options.budget
         self.round_budgets = budgets
-        # The budget the next draft round grows (a Python value: captured per graph).
+        # The budget the next draft round grows, and whether it is a sampling round (Python
+        # values: captured per graph).
         self.round_budget = budgets[-1]
+        self.round_sampling = False
+        self.draws_trees = draws_sampled_trees(self.options)
         num_slots = self.max_num_reqs
         # Per batch row: the slot its tree is written to (the spare slot num_slots for the
         # padded rows of a replay and for dummy runs), and Weaver's h_v.
@@ -103,9 +126,18 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.h_v = torch.zeros(num_slots, self.weaver.config.d_model,
                                    dtype=self.weaver.dtype, device=device)
+        depth = self.num_speculative_steps
+        pools = None
+        if self.draws_trees:
+            # Per batch row of a sampling round: whether its tree is sampled, and its
+            # request's seed.
+            self.round_sampled = torch.zeros(num_slots, dtype=torch.bool, device=device)
+            self.round_seeds = torch.zeros(num_slots, dtype=torch.int64, device=device)
+            pools = (depth, self.options.candidate_pool)
         self.engine = TreeEngine(
-            trees=SlotTrees.allocate(num_slots + 1, 1 + self.budget, self.budget, device),
-            slot=install_step_slot(static_forward_context), draft_layer_names=set())
+            trees=SlotTrees.allocate(num_slots + 1, 1 + self.budget, depth, device, pools),
+            slot=install_step_slot(static_forward_context), draft_layer_names=set(),
+            verify=self.options.verify)
         install_engine(static_forward_context, self.engine)
 
     def _load_weaver(self, vllm_config, device):
@@ -124,26 +156,42 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.weaver.prepare_tables(*_embedding_and_head(target_model))
 
+    def _round_kinds(self) -> list[tuple[int, bool]]:
+        """(budget, sampling) of every round a step may run."""
+        kinds = [(budget, False) for budget in self.round_budgets]
+        if self.draws_trees:
+            kinds += [(budget, True) for budget in self.round_budgets]
+        return kinds
+
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        """One vLLM DFlash graph manager per round budget: its draft graph is keyed by the
-        padded request count only (the block is D queries whatever k), so the round of
-        each k a step may draft is captured in a set of graphs of its own."""
-        for budget in self.round_budgets:
+        """One vLLM DFlash graph manager per round budget and kind (deterministic, and
+        sampling where the options draw sampled trees): its draft graph is keyed by the
+        padded request count only (the block is D queries whatever k), so each round a
+        step may run is captured in a set of graphs of its own."""
+        for budget, sampling in self._round_kinds():
             super().init_cudagraph_manager(cudagraph_mode)
-            setattr(self, _DRAFT_GRAPHS.format(budget), self.query_cudagraph_manager)
+            setattr(self, _graphs_attribute(budget, sampling), self.query_cudagraph_manager)
+
+    def _graph_managers(self, sampling: bool) -> dict[int, object]:
+        """By round budget: the vLLM DFlash graph manager whose graphs hold the
+        deterministic (or sampling) round of that k. Each is an attribute of its own: vLLM's
+        memory profiling (``profile_cudagraph_memory``) drops every graph-manager attribute
+        of the speculator after it, as it drops ``query_cudagraph_manager``."""
+        managers = {k: getattr(self, _graphs_attribute(k, sampling), None)
+                    for k in self.round_budgets}
+        return {k: manager for k, manager in managers.items() if manager is not None}
 
     @property
     def draft_graphs(self) -> dict[int, object]:
-        """By round budget: the vLLM DFlash graph manager whose graphs hold the round of
-        that k. Each is an attribute of its own: vLLM's memory profiling
-        (``profile_cudagraph_memory``) drops every graph-manager attribute of the
-        speculator after it, as it drops ``query_cudagraph_manager``."""
-        managers = {k: getattr(self, _DRAFT_GRAPHS.format(k), None) for k in self.round_budgets}
-        return {k: manager for k, manager in managers.items() if manager is not None}
+        return self._graph_managers(sampling=False)
 
-    def _use_round(self, budget: int) -> None:
-        """Draft the next round at ``budget``, replaying that budget's graphs (budget 0:
-        vLLM's DFlash runs no round)."""
+    @property
+    def sampling_draft_graphs(self) -> dict[int, object]:
+        return self._graph_managers(sampling=True)
+
+    def _use_round(self, budget: int, sampling: bool = False) -> None:
+        """Draft the next round at ``budget``, a sampling round or not, replaying that
+        round's graphs (budget 0: vLLM's DFlash runs no round)."""
         if budget == 0:
             return
         if budget not in self.round_budgets:
@@ -151,7 +199,8 @@ class TreeSpeculator(DFlashSpeculator):
                 f"dflash_tfm: a step drafts k = {budget}, not one of the round budgets "
                 f"{list(self.round_budgets)} of the batch-size schedule")
         self.round_budget = budget
-        manager = self.draft_graphs.get(budget)
+        self.round_sampling = sampling
+        manager = self._graph_managers(sampling).get(budget)
         if manager is not None:
             self.query_cudagraph_manager = manager
 
@@ -159,8 +208,8 @@ class TreeSpeculator(DFlashSpeculator):
         # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
         # their trees go to the spare slot, whatever the last step left in tree_slots.
         self.tree_slots.fill_(self.max_num_reqs)
-        for budget in self.round_budgets:
-            self._use_round(budget)
+        for budget, sampling in self._round_kinds():
+            self._use_round(budget, sampling)
             super().capture()
         self._use_round(self.round_budgets[-1])
 
@@ -180,28 +229,58 @@ class TreeSpeculator(DFlashSpeculator):
 
     def _grow_trees(self, num_reqs: int, pools: CandidatePools,
                     dflash_hidden: torch.Tensor) -> None:
-        """``draft_trees``' deterministic round for batch rows 0..num_reqs-1, into the slots
-        ``_stage_round`` left in ``tree_slots``. Reads device buffers only (no host sync):
-        it runs inside vLLM's capture."""
+        """``draft_trees``' round for batch rows 0..num_reqs-1 (a sampling round:
+        ``draft_trees_by_mask``'), into the slots ``_stage_round`` left in ``tree_slots``.
+        Reads device buffers only (no host sync): it runs inside vLLM's capture."""
         block = self.num_query_per_req
         # prepare_dflash_inputs put each request's bonus token (its tree's root) first in
         # its block of query rows.
         roots = self.input_buffers.input_ids[: num_reqs * block : block].long()
-        trees = draft_trees(
-            self.options.tree, roots, pools, self.round_budget, weaver=self.weaver,
-            h_v=None if self.h_v is None else self.h_v[:num_reqs],
+        round_inputs = dict(
+            weaver=self.weaver, h_v=None if self.h_v is None else self.h_v[:num_reqs],
             dflash_hidden=dflash_hidden, fanout=self.options.fanout,
             expand_width=self.options.expand_width_for(self.round_budget), validate=False)
+        if self.round_sampling:
+            trees = draft_trees_by_mask(
+                self.options.tree, roots, pools, self.round_budget,
+                self.round_sampled[:num_reqs], self._draw_seeds(num_reqs), **round_inputs)
+        else:
+            trees = draft_trees(self.options.tree, roots, pools, self.round_budget,
+                                **round_inputs)
         self.engine.trees.store(self.tree_slots[:num_reqs], trees)
 
-    def _stage_round(self, slots: torch.Tensor, h_v: torch.Tensor, dummy_run: bool) -> None:
-        """The round's inputs that come from outside the draft graph, into its buffers."""
+    def _draw_seeds(self, num_reqs: int) -> torch.Tensor:
+        """[num_reqs] int64 seeds of the rows' tree draws: the request's seed and the
+        position of the tree's root, which the verification of that tree derives its seed
+        from too (``step_seeds`` of the step's prefix lengths). prepare_dflash_inputs
+        wrote each block's first mask position, the one after the root, into sample_pos."""
+        depth = self.num_speculative_steps
+        root_positions = self.sample_pos[: num_reqs * depth : depth] - 1
+        return step_seeds(self.round_seeds[:num_reqs], root_positions)
+
+    def _sampled_rows(self, input_batch, dummy_run: bool) -> np.ndarray:
+        """[num_reqs] bool on the host: the batch row's next tree is sampled (the ``verify``
+        rule over V2's per-slot temperatures); none in a dummy run."""
+        num_reqs = input_batch.num_reqs
+        if dummy_run or not self.draws_trees:
+            return np.zeros(num_reqs, dtype=bool)
+        slots = input_batch.idx_mapping_np[:num_reqs]
+        return sampled_tree_rows(self.options, self.engine.temperature[slots])
+
+    def _stage_round(self, slots: torch.Tensor, h_v: torch.Tensor, dummy_run: bool,
+                     sampled: np.ndarray, seeds: torch.Tensor) -> None:
+        """The round's inputs that come from outside the draft graph, into its buffers;
+        ``sampled`` [R] on the host (``_sampled_rows``), ``seeds``: V2's per-slot seeds."""
         num_reqs = slots.shape[0]
         self.tree_slots.fill_(self.max_num_reqs)
         if not dummy_run:  # a dummy run's trees go to the spare slot
             self.tree_slots[:num_reqs] = slots
         if self.h_v is not None:
             self.h_v[:num_reqs] = h_v
+        if sampled.any():
+            self.round_sampled.zero_()
+            self.round_sampled[:num_reqs] = to_device(sampled, self.round_sampled.device)
+            self.round_seeds[:num_reqs] = seeds[slots.long()]
 
     def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
                 aux_hidden_states, num_sampled, num_rejected, last_sampled,
@@ -222,16 +301,20 @@ class TreeSpeculator(DFlashSpeculator):
             ends = input_batch.query_start_loc[1 : num_reqs + 1].long() - 1
             h_v = last_hidden_states.index_select(0, ends)
         slots = input_batch.idx_mapping[:num_reqs]
-        self._stage_round(slots, h_v, dummy_run)
+        sampled = self._sampled_rows(input_batch, dummy_run)
+        self._stage_round(slots, h_v, dummy_run, sampled, seeds)
         # The step's k from vLLM's batch-size schedule (None: a dummy run, the largest k
         # of the schedule; 0: no drafts this step, vLLM's DFlash then stores the context).
         budget = (self.round_budgets[-1] if num_speculative_tokens is None
                   else num_speculative_tokens)
-        self._use_round(budget)
+        # A dummy run drafts the larger round its engine may run: memory profiling sees it.
+        self._use_round(budget, sampling=bool(sampled.any()) or (dummy_run and self.draws_trees))
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, last_sampled,
                         next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run,
                         num_speculative_tokens=num_speculative_tokens, **kwargs)
+        if budget and self.draws_trees and not dummy_run:  # the verifier's flags
+            engine.trees.sampled[input_batch.idx_mapping_np[:num_reqs]] = sampled
         return engine.trees.draft_tokens(slots, budget)
 
 

@@ -8,6 +8,10 @@ budget k scores the first 1 + k nodes of each tree. A tree the builder left smal
 its budget is padded with children of the root that repeat the root's token
 (``kernel_parents``). They are scored like any node and never verified: verification
 reads the trees cut to their real nodes (``gather``).
+
+An engine whose options draft sampled trees (``verify.draws_sampled_trees``) also keeps each
+slot's candidate pools and proposals (what traversal verification reads: ~200 KB a slot at
+D = 15, P = 512, N = 65) and, on the host, whether the slot's last tree was sampled.
 """
 
 from __future__ import annotations
@@ -31,18 +35,31 @@ class SlotTrees:
     num_nodes: torch.Tensor  # [slots] int32 real nodes, root included
     draft_logq: torch.Tensor  # [slots, N] float32
     max_depth: int
+    # Sampled trees' draws (None: the engine drafts none): [slots, D, P] int64 pools and
+    # [slots, N, P] float32 proposals, as DraftTree's; and, on the host, [slots] bool: the
+    # slot's last tree was sampled (set by the speculator, which knows it on the host).
+    pool_ids: torch.Tensor | None = None
+    proposal_logq: torch.Tensor | None = None
+    sampled: np.ndarray | None = None
 
     @classmethod
     def allocate(cls, num_slots: int, num_nodes: int, max_depth: int,
-                 device: torch.device) -> SlotTrees:
+                 device: torch.device, pools: tuple[int, int] | None = None) -> SlotTrees:
+        """``pools``: (D, P) of the sampled trees' candidate pools (None: no sampled trees)."""
         def zeros(dtype, *shape):
             return torch.zeros(num_slots, *shape, dtype=dtype, device=device)
 
         parents = zeros(torch.int32, num_nodes) - 1
+        draws = {}
+        if pools is not None:
+            depth, pool = pools
+            draws = dict(pool_ids=zeros(torch.int64, depth, pool),
+                         proposal_logq=zeros(torch.float32, num_nodes, pool) - float("inf"),
+                         sampled=np.zeros(num_slots, dtype=bool))
         return cls(tokens=zeros(torch.int64, num_nodes), parents=parents,
                    depths=zeros(torch.int32, num_nodes),
                    num_nodes=zeros(torch.int32) + 1,
-                   draft_logq=zeros(torch.float32, num_nodes), max_depth=max_depth)
+                   draft_logq=zeros(torch.float32, num_nodes), max_depth=max_depth, **draws)
 
     @property
     def width(self) -> int:
@@ -67,11 +84,25 @@ class SlotTrees:
         self.depths[slots] = torch.nn.functional.pad(trees.depths.int(), pad)
         self.num_nodes[slots] = trees.num_nodes.int()
         self.draft_logq[slots] = torch.nn.functional.pad(trees.draft_logq.float(), pad)
+        if trees.sampled:
+            if self.proposal_logq is None:
+                raise ValueError("sampled trees in slots allocated without pools")
+            self.pool_ids[slots] = trees.pool_ids
+            self.proposal_logq[slots] = torch.nn.functional.pad(
+                trees.proposal_logq, (0, 0, 0, self.width - width), value=float("-inf"))
 
     def clear(self, slot: int) -> None:
         """A new request in ``slot``: no tree (a root alone) until it drafts one."""
         self.parents[slot] = -1
         self.num_nodes[slot] = 1
+        if self.sampled is not None:
+            self.sampled[slot] = False
+
+    def sampled_rows(self, slots: np.ndarray) -> np.ndarray:
+        """[R] bool on the host: the last tree of each of ``slots`` was sampled."""
+        if self.sampled is None:
+            return np.zeros(len(slots), dtype=bool)
+        return self.sampled[slots]
 
     def draft_tokens(self, slots: torch.Tensor, num_drafts: int) -> torch.Tensor:
         """[R, N - 1] the tokens vLLM schedules after each slot's root: the first
@@ -80,15 +111,19 @@ class SlotTrees:
         tokens[:, num_drafts:] = -1
         return tokens
 
-    def gather(self, slots: torch.Tensor) -> DraftTree:
-        """The trees of ``slots``, real nodes only (what verification reads)."""
+    def gather(self, slots: torch.Tensor, draws: bool = False) -> DraftTree:
+        """The trees of ``slots``, real nodes only (what verification reads); ``draws``:
+        with their pools and proposals (a batch holding sampled trees)."""
         slots = slots.long()
         node = torch.arange(self.width, device=slots.device)
         real = node < self.num_nodes[slots].view(-1, 1)
+        pools = {}
+        if draws:
+            pools = dict(pool_ids=self.pool_ids[slots], proposal_logq=self.proposal_logq[slots])
         return DraftTree(tokens=torch.where(real, self.tokens[slots], 0),
                          parents=self.parents[slots],
                          depths=self.depths[slots], num_nodes=self.num_nodes[slots],
-                         draft_logq=self.draft_logq[slots], max_depth=self.max_depth)
+                         draft_logq=self.draft_logq[slots], max_depth=self.max_depth, **pools)
 
     def kernel_parents(self, slots: torch.Tensor) -> torch.Tensor:
         """[R, N] int64 parents the kernels score: padding nodes hang under the root."""

@@ -3,11 +3,14 @@
 V2 samples every request of a batch by slot (``idx_mapping``); its sampling states keep a
 temperature and a seed per slot. Every node row first goes through V2's request-level
 processing over that node's own path (``node_processing``: logit bias, allowed tokens,
-min_tokens, penalties, bad words, temperature, min_p, top-k / top-p); then greedy requests
-take the greedy verifier, sampled ones target-only verification of their deterministic trees
-(lossless for any tree). Logprobs follow the accepted path in V2's chain layout. What has no
-tree form here is refused per request on V2 (``wrap_validate_params``): structured outputs
-(V2 masks a chain's rows with one grammar state per offset) and thinking budgets.
+min_tokens, penalties, bad words, temperature, min_p, top-k / top-p); then the verifiers the
+``verify`` option picks, as on model runner V1 (``vllm_glue/verify.py``): greedy requests the
+greedy verifier, sampled requests whose tree was sampled traversal, the other sampled
+requests target-only verification of their deterministic trees (lossless for any tree), all
+chosen from host state; none reads anything back from the device. Logprobs follow the
+accepted path in V2's chain layout. What has no tree form here is refused per request on V2
+(``wrap_validate_params``): structured outputs (V2 masks a chain's rows with one grammar
+state per offset) and thinking budgets.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import torch
 
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import VerifyResult
-from vllm_tfm.vllm_glue.verify import verify_trees
+from vllm_tfm.vllm_glue.verify import verify_option, verify_trees
 
 _GREEDY_TEMPERATURE_EPS = 1e-5
 # Odd 64-bit multiplier: a request's seed and its root position make its step's seed.
@@ -30,14 +33,15 @@ def step_seeds(request_seeds: torch.Tensor, prefix_lens: torch.Tensor) -> torch.
 
 
 def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: np.ndarray,
-                 seeds: torch.Tensor) -> VerifyResult:
+                 sampled_tree: np.ndarray, seeds: torch.Tensor, verify: str) -> VerifyResult:
     """Accept one path per request of ``tree`` ([R, N]) against ``processed`` [R, N, V], the
     node logits after V2's sampling processing (temperature included; ``temperature`` [R]
     on the host, V2's ``SamplingStates.temperature.np`` of the batch's slots, 0 = greedy:
-    the argmax of the processed row, as V2's chain verifier takes it)."""
-    greedy = temperature < _GREEDY_TEMPERATURE_EPS
-    return verify_trees(tree, processed, processed, greedy, np.zeros_like(greedy), seeds,
-                        "target_only")
+    the argmax of the processed row, as V2's chain verifier takes it). ``sampled_tree`` [R]
+    on the host: the request's tree was sampled (``SlotTrees.sampled``); ``verify``: the
+    option."""
+    greedy, mode = verify_option(verify, temperature < _GREEDY_TEMPERATURE_EPS)
+    return verify_trees(tree, processed, processed, greedy, sampled_tree, seeds, mode)
 
 
 def sampled_tokens(result: VerifyResult, width: int) -> torch.Tensor:
