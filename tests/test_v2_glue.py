@@ -221,8 +221,6 @@ def test_async_scheduling_is_taken_on_v2_only():
 def test_engine_config_keeps_async_scheduling_on_v2_only(monkeypatch, runner, given, handed):
     """vLLM's create_engine_config sees the user's async_scheduling on V2 (unset: vLLM's
     default, on) and False on V1; the engine args get their value back afterwards."""
-    from vllm.engine.arg_utils import EngineArgs
-
     from vllm_tfm.vllm_glue import config
 
     class Handed(Exception):
@@ -234,9 +232,13 @@ def test_engine_config_keeps_async_scheduling_on_v2_only(monkeypatch, runner, gi
     monkeypatch.setattr(config, "_on_cpu", lambda: False)
     monkeypatch.setattr(config, "choose_runner", lambda engine_args: runner)
     monkeypatch.setattr(config, "select_model_runner", lambda chosen: None)
-    engine_args = EngineArgs(model="unused", async_scheduling=given, speculative_config={
-        "method": "dflash_tfm", "model": "unused", "num_speculative_tokens": 7,
-        "tree": "chain"})
+    # The EngineArgs fields the wrapper reads (a real EngineArgs resolves its model).
+    engine_args = SimpleNamespace(
+        async_scheduling=given, enable_prefix_caching=False, additional_config=None,
+        attention_backend=None, attention_config=SimpleNamespace(backend=None),
+        **{name: 1 for name in ("tensor_parallel_size", *config.UNSUPPORTED_PARALLELISM)},
+        speculative_config={"method": "dflash_tfm", "model": "unused",
+                            "num_speculative_tokens": 7, "tree": "chain"})
     with pytest.raises(Handed) as raised:
         config.wrap_create_engine_config(create_engine_config)(engine_args)
     assert raised.value.args == (handed,)
