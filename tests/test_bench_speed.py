@@ -34,6 +34,19 @@ def test_stated_tau_by_regime():
     assert speed.stated_tau("paper-4", "weaver", 32, ours) is None  # the paper gives none
     assert speed.stated_tau("ours", "chain", 16, ours) == ours[("chain", 15)]
     assert speed.stated_tau("ours", "weaver", 127, ours) == ours[("weaver", 128)]
+    # Sampled requests (--temperature 1) project on the family's T = 1 tau.
+    assert speed.ours_taus(1.0)[("chain", 15)] == pytest.approx(1.22, abs=0.01)
+
+
+def test_sessions_at_a_temperature_seed_each_request():
+    from types import SimpleNamespace
+
+    added = []
+    engine = SimpleNamespace(add_request=lambda req_id, prompt, params: added.append(params))
+    llm = SimpleNamespace(llm_engine=engine)
+    speed.Session(llm, 100, temperature=1.0).add(2, context=5, max_tokens=7)
+    speed.Session(llm, 100).add(1, context=5, max_tokens=7)
+    assert [(p.temperature, p.seed) for p in added] == [(1.0, 0), (1.0, 1), (0.0, None)]
 
 
 def _cell(batch, period, tree=None, budget=None):

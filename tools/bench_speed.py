@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budgets", nargs="+", type=int)
     parser.add_argument("--steps", type=int)
     parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
+    parser.add_argument("--temperature", type=float,
+                        help="every request's temperature (default 0, greedy; above 0 each "
+                             "request is seeded)")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--profile", action="store_true",
                         help="also profile each engine's first cell at each batch size (host "
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["steps"] = args.steps
     if args.memory_gib:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
+    if args.temperature is not None:
+        narrowed["temperature"] = args.temperature
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
                args.work, args.deadline_s, args.profile, args.rule_only,

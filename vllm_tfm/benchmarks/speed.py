@@ -77,6 +77,9 @@ class Shapes:
     # Batches at the contexts past the shortest (prefill and KV grow with the context);
     # None: ``batches``.
     long_batches: tuple[int, ...] | None = None
+    # Every request's sampling temperature (0: greedy; above 0 seeded per request, so
+    # dflash_tfm's sampled trees and traversal verification are in the step times).
+    temperature: float = 0.0
 
     def batches_at(self, context: int) -> tuple[int, ...]:
         if context == min(self.contexts) or self.long_batches is None:
@@ -289,9 +292,10 @@ def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
 class Session:
     """One engine's requests, stepped by hand (``LLMEngine.step``)."""
 
-    def __init__(self, llm, vocab_size: int, seed: int = 0):
+    def __init__(self, llm, vocab_size: int, temperature: float = 0.0, seed: int = 0):
         self.llm, self.engine = llm, llm.llm_engine
         self.vocab_size = vocab_size
+        self.temperature = temperature
         self.random = random.Random(seed)
         self.running: list[str] = []
         self.generated: dict[str, int] = {}
@@ -300,10 +304,11 @@ class Session:
     def add(self, count: int, context: int, max_tokens: int) -> None:
         from vllm import SamplingParams
 
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                                detokenize=False)
         for _ in range(count):
             req_id = f"r{self.counter}"
+            params = SamplingParams(temperature=self.temperature, max_tokens=max_tokens,
+                                    ignore_eos=True, detokenize=False,
+                                    seed=self.counter if self.temperature > 0 else None)
             self.counter += 1
             ids = [self.random.randrange(4, self.vocab_size) for _ in range(context)]
             self.engine.add_request(req_id, {"prompt_token_ids": ids}, params)
@@ -486,7 +491,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
         f"memory {result['memory']}")
     result["runner_class"] = llm.collective_rpc(_runner_class)[0]
     llm.collective_rpc(_install_timer, args=(runner,))
-    session = Session(llm, models["vocab_size"])
+    session = Session(llm, models["vocab_size"], shapes.temperature)
     profiled: set[int] = set()  # batch sizes whose first cell was profiled
     try:
         for context in sorted(shapes.contexts):
@@ -544,13 +549,14 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
 
 # -- projection and report -------------------------------------------------------------
 
-def ours_taus(path: Path = OURS_ACCEPTANCE) -> dict[tuple[str, int], float]:
-    """(tree kind, budget) -> tau of the trained tiny family at T = 0 (greedy); the
-    chain's under budget 15."""
+def ours_taus(temperature: float = 0.0,
+              path: Path = OURS_ACCEPTANCE) -> dict[tuple[str, int], float]:
+    """(tree kind, budget) -> tau of the trained tiny family at ``temperature`` (none
+    where it was not measured); the chain's under budget 15."""
     data = json.loads(path.read_text())
     taus = {}
     for row in data["results"]:
-        if row["temperature"] == 0.0:
+        if row["temperature"] == temperature:
             kind = {v: k for k, v in EVAL_METHODS.items()}[row["method"]]
             taus[(kind, row["budget"])] = row["tau"]
     return taus
@@ -686,13 +692,14 @@ def best_budgets(rows: list[dict], regime: str = "ours") -> dict[str, dict[int, 
 
 
 def report(results: list[dict], shapes: Shapes, header: str, out: Path) -> str:
-    ours = ours_taus()
+    ours = ours_taus(shapes.temperature)
     rows = project(results, ours, max(shapes.budgets))
     text = "\n\n".join([
         header, PROJECTION_NOTE,
         "tau stated: paper-4 / paper-5 = chain 4 / 5, Weaver(64) 1.77x and DDTree(64) 1.34x "
-        "the chain (no paper tau for other budgets); ours = the trained tiny family at T = 0 "
-        "(BENCHMARKS.md, Mean accepted length; budget 127 takes its 128).",
+        "the chain (no paper tau for other budgets); ours = the trained tiny family at "
+        f"T = {shapes.temperature:g}, the requests' temperature (BENCHMARKS.md, Mean "
+        "accepted length; budget 127 takes its 128).",
         step_table(rows),
         memory_table(results, shapes.contexts, shapes.memory_bytes),
         "Best measured Weaver budget by batch (tau ours): "
@@ -754,7 +761,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, model runner {runner}, {graphs}; "
-              f"{shapes.steps} measured steps per cell (median)")
+              f"{shapes.steps} measured steps per cell (median); requests at temperature "
+              f"{shapes.temperature:g}")
 
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
