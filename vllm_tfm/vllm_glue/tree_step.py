@@ -103,14 +103,16 @@ def request_nodes(meta: TreeMetadata, prefix_lens: torch.Tensor, requests: np.nd
     index = to_device(np.asarray(requests, dtype=np.int64), device)
     # Every request (a decode batch): the subset is the step itself, no copies.
     everyone = len(requests) == meta.batch_size
-    dense = len(rows) > 0 and bool((rows == rows[0] + slots).all())
+    # Every node real and the flat rows consecutive in node-layout order: moves are views.
+    dense = (len(rows) == len(requests) * max_nodes > 0
+             and bool((rows == rows[0] + slots).all()))
     return RequestNodes(
         requests=index,
         meta=meta if everyone else select_requests(meta, index),
         prefix_lens=prefix_lens if everyone else prefix_lens.index_select(0, index),
         rows=to_device(rows.astype(np.int64), device),
         slots=to_device(slots.astype(np.int64), device),
-        dense_start=int(rows[0]) if dense and len(rows) == len(requests) * max_nodes else None,
+        dense_start=int(rows[0]) if dense else None,
     )
 
 
