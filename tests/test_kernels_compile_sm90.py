@@ -34,6 +34,7 @@ from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
 from triton_ops.testing import random_tree_batch, random_tree_metadata
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
+from triton_ops.traversal import traversal_law, walk_choices
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
 from triton_ops.weaver_step.attention import node_attention
 from triton_ops.weaver_step.frontier import (
@@ -202,11 +203,21 @@ def weaver_step(gen):
                    backend="triton")
 
 
+def traversal(gen):
+    R, N, S = 2, 17, 512
+    index = torch.randint(-1, N, (R, N), generator=gen)
+    children = torch.randint(-1, N, (R, N, N - 1), generator=gen)
+    target = torch.rand(R, N, S, generator=gen, dtype=torch.float64)
+    law = traversal_law(index, index, children, index, target, target[..., 0], target, 16,
+                        backend="triton")
+    walk_choices(law.choice, children, target[..., 0], 16, backend="triton")
+
+
 CASES = {
     **{f"gdn verify {kernel}": verify_kernel(kernel)
        for kernel in chunk_triton.VERIFY_KERNELS},
     "tree metadata": metadata, "gdn recurrent": recurrent, "gdn gating": gating,
-    "tree conv": conv,
+    "tree conv": conv, "traversal": traversal,
     "tree attention": attention, "pool logits": pool, "weaver step": weaver_step,
 }
 

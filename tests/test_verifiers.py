@@ -287,7 +287,7 @@ def enumerate_plan(tree, probs, plan):
     return cases
 
 
-def run_traversal_cases(tree, probs, plan, cases):
+def run_traversal_cases(tree, probs, plan, cases, backend="torch"):
     rows = len(cases)
     choice_u = torch.full((rows, tree.max_nodes), 0.5, dtype=F64)
     bonus_u = torch.empty(rows, dtype=F64)
@@ -299,7 +299,7 @@ def run_traversal_cases(tree, probs, plan, cases):
         f.name: getattr(plan, f.name).index_select(0, torch.zeros(rows, dtype=torch.int64))
         for f in fields(TraversalPlan)
     })
-    return traversal_walk(tree, wide, probs, choice_u, bonus_u)
+    return traversal_walk(tree, wide, probs, choice_u, bonus_u, backend)
 
 
 def sibling_orders(tree):
@@ -335,23 +335,30 @@ def sibling_orders(tree):
         yield keys, weight
 
 
+# "triton": the per-node sweeps as kernels (triton_ops.traversal), in the interpreter.
+BACKENDS = ("torch", "triton")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab,logq_kind", [(3, "random"), (4, "random"), (4, "zero_child")])
-def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind, gen):
+def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind, backend, gen):
     tree = make_tree(SHAPES[shape], vocab, gen, logq_kind)
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     probs = target_probs(tree, law)
     orders = list(sibling_orders(tree))
     keys = torch.cat([k for k, _ in orders])
     # All visiting orders in one batched plan.
-    plans = traversal_plan(replicate(tree, len(orders)), probs.expand(len(orders), -1, -1), keys)
+    plans = traversal_plan(replicate(tree, len(orders)), probs.expand(len(orders), -1, -1), keys,
+                           backend)
     outcomes = {}
     for row, (_, order_weight) in enumerate(orders):
         plan = plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c, backend),
+                     cases)
         for path, bonus, weight, _, _ in cases:
             # On a deterministic tree a drawn child token is always accepted.
             leaf_children = [
@@ -435,10 +442,11 @@ def sampled_trees(parents, pool_ids, draft, root):
         ), weight
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", list(SAMPLED_SHAPES))
-@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros", "onehot"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab,pool", [(3, 3), (5, 3)])
-def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
+def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, backend, gen):
     """Exact over the tree's draws too: pools smaller than the vocabulary put
     target mass off the proposal's support; the draft law has zero-mass ids."""
     parents = SAMPLED_SHAPES[shape]
@@ -458,14 +466,15 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, gen):
     batch = concat_trees([t for t, _ in realised])
     batch.validate(vocab_size=vocab)
     all_probs = torch.cat([target_probs(t, law) for t, _ in realised])
-    plans = traversal_plan(batch, all_probs)  # every realisation in one batched plan
+    plans = traversal_plan(batch, all_probs, backend=backend)  # every realisation at once
     outcomes, total = {}, 0.0
     for row, (tree, tree_weight) in enumerate(realised):
         total += tree_weight
         probs, plan = all_probs[row : row + 1], plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c, backend),
+                     cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert abs(total - 1.0) < 1e-12
     assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_ops.traversal import sample_index, traversal_law, walk_choices
 from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform
 
 # counter_uniform streams (the sampled builder uses stream 1).
@@ -111,18 +112,6 @@ class TraversalPlan:
         return law[:, :V]
 
 
-def sample_index(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF sampling: [M, C] non-negative weights, [M] uniforms in [0, 1) -> [M] int64.
-
-    Index i is returned iff ``cdf[i-1] <= u * total < cdf[i]`` (cdf of the
-    float64 weights), so zero-weight entries are never returned.
-    """
-    cdf = weights.double().cumsum(-1)
-    total = cdf[:, -1:]
-    point = torch.minimum(uniforms.double()[:, None] * total, torch.nextafter(total, total * 0))
-    return torch.searchsorted(cdf, point, right=True)[:, 0].clamp(max=weights.shape[1] - 1)
-
-
 def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) -> VerifyResult:
     """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs.
 
@@ -166,14 +155,16 @@ def target_only_walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tenso
 
 
 def verify_traversal(
-    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True
+    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True,
+    backend: str = "auto",
 ) -> VerifyResult:
     """Traversal verification; sibling order sampled on deterministic trees.
 
     On a deterministic tree each node's children are visited in the order of
     ``draft_logq + Gumbel`` (sampling without replacement from q restricted to
     the children); sampled trees are visited in their sample (node) order.
-    Nothing is read back from the device.
+    Nothing is read back from the device. ``backend``: of the per-node sweeps
+    (:mod:`triton_ops.traversal`; "auto": Triton on CUDA).
     """
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
@@ -181,13 +172,14 @@ def verify_traversal(
     keys = None
     if not tree.sampled:
         keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes)
-    plan = traversal_plan(tree, probs, keys)
+    plan = traversal_plan(tree, probs, keys, backend)
     return traversal_walk(
         tree,
         plan,
         probs,
         counter_uniform(seeds, CHOICE_STREAM, nodes),
         counter_uniform(seeds, BONUS_STREAM, nodes[:, :1])[:, 0],
+        backend,
     )
 
 
@@ -196,7 +188,8 @@ OUTSIDE_MASS_FLOOR = 1e-12
 
 
 def traversal_plan(
-    tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None
+    tree: DraftTree, probs: torch.Tensor, sibling_keys: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> TraversalPlan:
     """Traversal verification's exact outcome law on a realised tree.
 
@@ -223,13 +216,15 @@ def traversal_plan(
 
     Rather than replaying coins leaf by leaf, this computes the same outcome
     law top-down: every state update depends only on the tree, so the
-    alphas of all nodes follow from one pass over the nodes (``_visit_nodes``),
-    subtree acceptance probabilities A from one pass per depth upward
+    alphas of all nodes follow from one pass over the nodes, subtree
+    acceptance probabilities A from the deepest nodes upward
     (A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v,
     alpha'_v after all children's rejections), and the walk draws at each
-    node "child j" or "stop" with those probabilities over A_v. Loop counts
-    come from the trees' shapes (N nodes, max_depth), so nothing is read back
-    from the device; the plan's K is N - 1, the most children a node can have.
+    node "child j" or "stop" with those probabilities over A_v. Those sweeps
+    are :func:`triton_ops.traversal.traversal_law` (one launch per request
+    batch on CUDA). Loop counts come from the trees' shapes (N nodes,
+    max_depth), so nothing is read back from the device; the plan's K is
+    N - 1, the most children a node can have.
 
     Proposals: sampled trees use ``proposal_logq`` over the node's pool row
     (children in node order = sample order). Deterministic trees use q
@@ -242,6 +237,7 @@ def traversal_plan(
         probs: [R, N, V] target probabilities per node.
         sibling_keys: [R, N] visiting-order keys, deterministic trees only;
             None visits children in node order.
+        backend: of the sweeps (:func:`triton_ops.traversal.traversal_law`).
     """
     R, N = tree.tokens.shape
     device = tree.tokens.device
@@ -289,26 +285,21 @@ def traversal_plan(
 
     flat_children = torch.where(present, children, N).view(R, -1)
     rank = _per_node(torch.arange(K, device=device).expand(R, N, K), flat_children)
-    alpha, last_alpha, residual, scale = _visit_nodes(
-        tree, rank, _per_node(child_pos, flat_children), target, outside, proposal)
-
-    accept = last_alpha
-    # Pass t makes A exact for the nodes t levels above the deepest: max_depth + 1 passes.
-    for _ in range(tree.max_depth + 1):
-        accept, before, after_all, child_accept = _subtree_accept(
-            accept, last_alpha, children, present
-        )
-    stop = after_all * last_alpha
-    choice = torch.cat([before * child_accept, stop[..., None]], -1)
-    choice = choice / torch.where(accept > 0, accept, 1.0)[..., None]
+    # The root first (depth 0, rank -1), then by depth and visiting rank, padding last: a
+    # node comes after its parent and after its earlier siblings.
+    order = torch.argsort(torch.where(tree.valid, tree.depths.long() * N + rank, N * N),
+                          dim=1, stable=True)
+    law = traversal_law(torch.where(tree.valid, tree.parents.long(), -1), order, children,
+                        _per_node(child_pos, flat_children), target, outside, proposal,
+                        tree.max_depth, backend)
     return TraversalPlan(
         children=children,
-        alpha=alpha,
-        accept=accept,
-        choice=choice,
+        alpha=law.alpha,
+        accept=law.accept,
+        choice=law.choice,
         support=support,
-        residual=residual,
-        outside_scale=scale,
+        residual=law.residual,
+        outside_scale=law.scale,
     )
 
 
@@ -318,25 +309,18 @@ def traversal_walk(
     probs: torch.Tensor,
     choice_uniforms: torch.Tensor,
     bonus_uniforms: torch.Tensor,
+    backend: str = "auto",
 ) -> VerifyResult:
     """Sample the path and bonus from a plan with explicit randomness.
 
     Node i picks ``sample_index(plan.choice[:, i], choice_uniforms[:, i])``
     ([R, N] uniforms); the bonus is ``sample_index(bonus law, bonus_uniforms)``.
+    ``backend``: of the walk (:func:`triton_ops.traversal.walk_choices`).
     """
-    R = tree.batch_size
-    K = plan.children.shape[2]
-    batch = torch.arange(R, device=probs.device)
-    node = torch.zeros(R, dtype=torch.int64, device=probs.device)
-    done = torch.zeros(R, dtype=torch.bool, device=probs.device)
-    for _ in range(tree.max_depth + 1):
-        pick = sample_index(plan.choice[batch, node], choice_uniforms[batch, node])
-        done = done | (pick >= K)
-        if K:
-            step = plan.children[batch, node, pick.clamp(max=K - 1)]
-            node = torch.where(done, node, step)
-    bonus = sample_index(plan.bonus_distribution(probs, node), bonus_uniforms)
-    return _finish(tree, node, bonus)
+    leaf, on_path = walk_choices(plan.choice, plan.children, choice_uniforms, tree.max_depth,
+                                 backend)
+    bonus = sample_index(plan.bonus_distribution(probs, leaf), bonus_uniforms)
+    return _finish(tree, leaf, bonus, on_path)
 
 
 def _per_node(values: torch.Tensor, flat_children: torch.Tensor) -> torch.Tensor:
@@ -346,73 +330,6 @@ def _per_node(values: torch.Tensor, flat_children: torch.Tensor) -> torch.Tensor
     out = values.new_full((R, N + 1), -1)
     out.scatter_(1, flat_children, values.reshape(R, -1))
     return out[:, :N]
-
-
-def _visit_nodes(tree, rank, support_index, target, outside, proposal):
-    """Run every node's sibling loop (``traversal_plan``'s state updates) in one pass over
-    the nodes, ordered by depth then visiting ``rank`` ([R, N]): a node comes after its
-    parent, whose weight is then final, and after its earlier siblings, whose rejections
-    its parent's state has then seen. ``support_index`` [R, N]: each node's index in its
-    parent's support. The residual target at a node is kept as ``scale * p`` off the
-    support plus explicit values ``residual`` on it (p normalised).
-
-    Returns each node's weight alpha [R, N] and its state after all its children's
-    rejections: weight [R, N], residual [R, N, S], scale [R, N].
-    """
-    R, N = tree.tokens.shape
-    rows = torch.arange(R, device=target.device)
-    parents = torch.where(tree.valid, tree.parents.long(), -1)
-    # The root first (depth 0, rank -1), padding last.
-    key = torch.where(tree.valid, tree.depths.long() * N + rank, N * N)
-    order = torch.argsort(key, dim=1, stable=True)
-    weight = torch.zeros(R, N, dtype=torch.float64, device=target.device)
-    weight[:, 0] = 1
-    alpha = weight.clone()
-    residual, scale, q = target.clone(), torch.ones_like(weight), proposal.clone()
-    for k in range(1, N):
-        node = order[:, k]
-        parent = parents[rows, node]
-        up = parent.clamp(min=0)
-        pos = support_index[rows, node]
-        a, p, s, q_u = weight[rows, up], residual[rows, up], scale[rows, up], q[rows, up]
-        at = pos.clamp(min=0)[:, None]
-        q_x = q_u.gather(-1, at)[:, 0]
-        # A zero-mass child cannot have been drawn: it is not part of the draft.
-        real = (parent >= 0) & (pos >= 0) & (q_x > 0)
-        p_x = p.gather(-1, at)[:, 0]
-        ratio = a * p_x / torch.where(real, q_x, 1.0)
-        node_alpha = torch.where(real, ratio.clamp(max=1), 0.0)
-        excess = (a[:, None] * p - q_u).clamp(min=0)
-        z = excess.sum(-1) + a * s * outside[rows, up]
-        alive = real & (z > 0)
-        z_safe = torch.where(alive, z, 1.0)
-        left = q_u.scatter(-1, at, 0.0)
-        left_mass = left.sum(-1, keepdim=True)
-        new_q = torch.where(left_mass > 0, left / torch.where(left_mass > 0, left_mass, 1.0), 0.0)
-        # With z = 0 the rejection has probability 0: the state is never used.
-        new_a = torch.where(alive, z / (1 - a + z_safe), 0.0)
-        new_residual = torch.where(alive[:, None], excess / z_safe[:, None], 0.0)
-        new_scale = torch.where(alive, a * s / z_safe, 0.0)
-        weight[rows, up] = torch.where(real, new_a, a)
-        residual[rows, up] = torch.where(real[:, None], new_residual, p)
-        scale[rows, up] = torch.where(real, new_scale, s)
-        q[rows, up] = torch.where(real[:, None], new_q, q_u)
-        alpha[rows, node] = node_alpha
-        weight[rows, node] = node_alpha
-    return alpha, weight, residual, scale
-
-
-def _subtree_accept(accept, last_alpha, children, present):
-    """One upward pass of A_v = sum_j prod_{i<j}(1 - A_ci) A_cj + prod_i(1 - A_ci) alpha'_v."""
-    R, N, K = children.shape
-    child_accept = torch.where(
-        present, accept.gather(1, children.clamp(min=0).view(R, -1)).view(R, N, K), 0.0
-    )
-    survive = torch.cumprod(1 - child_accept, dim=-1)
-    before = torch.cat([torch.ones_like(survive[..., :1]), survive[..., :-1]], -1)
-    after_all = survive[..., -1] if K else torch.ones_like(accept)
-    new_accept = (before * child_accept).sum(-1) + after_all * last_alpha
-    return new_accept, before, after_all, child_accept
 
 
 def _softmax_or_zero(logits: torch.Tensor) -> torch.Tensor:

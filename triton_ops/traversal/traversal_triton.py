@@ -1,0 +1,148 @@
+"""Traversal verification's sweeps as one program per request.
+
+The PyTorch path runs each node of the sibling loop, each upward pass and each step of
+the walk as a dozen launches over the batch: about 6k launches a step at budget 64 on
+the GPU, where model runner V2 verifies eagerly. Here a request's program walks its
+nodes in a loop instead. A node's state row lives in global memory (S float64 values,
+up to the 512 of a pool row), written by one step and read by the next;
+``tl.debug_barrier`` orders those accesses across the program's threads.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _product(a, b):
+    return a * b
+
+
+@triton.jit
+def _law_kernel(
+    order_ptr, parents_ptr, children_ptr, support_index_ptr, outside_ptr,
+    weight_ptr, alpha_ptr, residual_ptr, scale_ptr, q_ptr, accept_ptr, choice_ptr,
+    N, S, K,
+    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    base = tl.program_id(0).to(tl.int64) * N
+    s = tl.arange(0, BLOCK_S)
+    s_mask = s < S
+    # The sibling loops: node ``order[k]`` is tested, then rejected from its parent's state.
+    for k in range(1, N):
+        node = tl.load(order_ptr + base + k)
+        parent = tl.load(parents_ptr + base + node)
+        up = tl.maximum(parent, 0)
+        pos = tl.load(support_index_ptr + base + node)
+        a = tl.load(weight_ptr + base + up)
+        sc = tl.load(scale_ptr + base + up)
+        row = (base + up) * S
+        p = tl.load(residual_ptr + row + s, mask=s_mask, other=0.0)
+        q_u = tl.load(q_ptr + row + s, mask=s_mask, other=0.0)
+        is_x = s == pos
+        q_x = tl.sum(tl.where(is_x, q_u, 0.0), 0)
+        p_x = tl.sum(tl.where(is_x, p, 0.0), 0)
+        real = (parent >= 0) & (pos >= 0) & (q_x > 0)
+        node_alpha = tl.where(real, tl.minimum(a * p_x / tl.where(real, q_x, 1.0), 1.0), 0.0)
+        excess = tl.maximum(a * p - q_u, 0.0)
+        z = tl.sum(excess, 0) + a * sc * tl.load(outside_ptr + base + up)
+        alive = real & (z > 0)
+        z_safe = tl.where(alive, z, 1.0)
+        left = tl.where(is_x, 0.0, q_u)
+        left_mass = tl.sum(left, 0)
+        new_q = tl.where(left_mass > 0, left / tl.where(left_mass > 0, left_mass, 1.0), 0.0)
+        tl.store(weight_ptr + base + up, tl.where(alive, z / (1 - a + z_safe), 0.0), mask=real)
+        tl.store(scale_ptr + base + up, tl.where(alive, a * sc / z_safe, 0.0), mask=real)
+        updated = s < tl.where(real, S, 0)
+        tl.store(residual_ptr + row + s, tl.where(alive, excess / z_safe, 0.0), mask=updated)
+        tl.store(q_ptr + row + s, new_q, mask=updated)
+        tl.store(alpha_ptr + base + node, node_alpha)
+        tl.store(weight_ptr + base + node, node_alpha)
+        tl.debug_barrier()
+    # Subtree acceptance, deepest nodes first: a node's children are final before it.
+    j = tl.arange(0, BLOCK_K)
+    j_mask = j < K
+    for i in range(0, N):
+        v = tl.load(order_ptr + base + N - 1 - i)
+        children = children_ptr + (base + v) * K
+        child = tl.load(children + j, mask=j_mask, other=-1)
+        child_accept = tl.load(accept_ptr + base + child, mask=child >= 0, other=0.0)
+        # Child j - 1's acceptance, for the probability that children 0..j-1 all reject.
+        previous = tl.load(children + j - 1, mask=j_mask & (j > 0), other=-1)
+        previous_accept = tl.load(accept_ptr + base + previous, mask=previous >= 0, other=0.0)
+        before = tl.cumprod(1.0 - previous_accept, 0)
+        into_child = before * child_accept
+        stop = tl.reduce(1.0 - child_accept, 0, _product) * tl.load(weight_ptr + base + v)
+        accept = tl.sum(into_child, 0) + stop
+        accept_safe = tl.where(accept > 0, accept, 1.0)
+        tl.store(accept_ptr + base + v, accept)
+        choice = choice_ptr + (base + v) * (K + 1)
+        tl.store(choice + j, into_child / accept_safe, mask=j_mask)
+        tl.store(choice + K, stop / accept_safe)
+        tl.debug_barrier()
+
+
+@triton.jit
+def _walk_kernel(
+    choice_ptr, children_ptr, uniforms_ptr, leaf_ptr, on_path_ptr,
+    N, K, steps,
+    BLOCK_C: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    base = r * N
+    c = tl.arange(0, BLOCK_C)
+    c_mask = c < K + 1
+    node = tl.zeros((), dtype=tl.int64)
+    done = node != 0
+    tl.store(on_path_ptr + base, 1)
+    for _ in range(steps):
+        weights = tl.load(choice_ptr + (base + node) * (K + 1) + c, mask=c_mask, other=0.0)
+        cdf = tl.cumsum(weights, 0)
+        total = tl.max(tl.where(c_mask, cdf, 0.0), 0)
+        # The largest double below the total: u * total can round up to it.
+        below = (total.to(tl.int64, bitcast=True) - 1).to(tl.float64, bitcast=True)
+        u = tl.load(uniforms_ptr + base + node).to(tl.float64)
+        point = tl.minimum(u * total, tl.where(total > 0, below, total))
+        pick = tl.minimum(tl.sum((c_mask & (cdf <= point)).to(tl.int64), 0), K)
+        done = done | (pick >= K)
+        child = tl.load(children_ptr + (base + node) * K + tl.minimum(pick, K - 1), mask=K > 0, other=0)
+        node = tl.where(done, node, child)
+        tl.store(on_path_ptr + base + node, 1)
+    tl.store(leaf_ptr + r, node)
+
+
+def law_triton(parents, order, children, support_index, target, outside, proposal):
+    """Arguments and results as :func:`triton_ops.traversal.traversal_law` (contiguous)."""
+    R, N, K = children.shape
+    S = target.shape[2]
+    device = target.device
+    weight = torch.zeros(R, N, dtype=torch.float64, device=device)
+    weight[:, 0] = 1
+    alpha = weight.clone()
+    residual, q = target.clone(), proposal.clone()
+    scale = torch.ones(R, N, dtype=torch.float64, device=device)
+    accept = torch.empty(R, N, dtype=torch.float64, device=device)
+    choice = torch.empty(R, N, K + 1, dtype=torch.float64, device=device)
+    if R:
+        _law_kernel[(R,)](
+            order, parents, children, support_index, outside,
+            weight, alpha, residual, scale, q, accept, choice,
+            N, S, K,
+            BLOCK_S=triton.next_power_of_2(max(S, 1)), BLOCK_K=triton.next_power_of_2(max(K, 1)),
+        )
+    return alpha, weight, residual, scale, accept, choice
+
+
+def walk_triton(choice, children, uniforms, max_depth):
+    """Arguments and results as :func:`triton_ops.traversal.walk_choices` (contiguous)."""
+    R, N, K = children.shape
+    leaf = torch.empty(R, dtype=torch.int64, device=choice.device)
+    on_path = torch.zeros(R, N, dtype=torch.bool, device=choice.device)
+    if R:
+        _walk_kernel[(R,)](
+            choice, children, uniforms, leaf, on_path, N, K, max_depth + 1,
+            BLOCK_C=triton.next_power_of_2(K + 1),
+        )
+    return leaf, on_path
