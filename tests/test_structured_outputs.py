@@ -34,7 +34,7 @@ from test_verifiers import (  # noqa: E402
     enumerate_target_only,
     run_target_only_cases,
     check_replay,
-    run_traversal_cases,
+    run_plan_cases,
     sibling_orders,
 )
 
@@ -405,7 +405,7 @@ def test_tree_verifiers_sample_the_constrained_law(shape, kind, gen):
     for keys, order_weight in sibling_orders(tree):
         plan = traversal_plan(tree, probs, keys)
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c), cases)
         add_outcomes(outcomes, tree, cases, order_weight)
     assert_lossless(constrained, prefix[-1], outcomes, horizon)
     # Greedy: the constrained argmax path.

@@ -17,7 +17,7 @@ from triton_ops.traversal import sample_index, traversal_law, walk_choices
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.drafting.builders import build_sampled_tree
 from vllm_tfm.drafting.tree import DraftTree
-from vllm_tfm.drafting.verifiers import traversal_plan, traversal_walk
+from vllm_tfm.drafting.verifiers import traversal_plan, walk_plan
 
 F64 = torch.float64
 TOL = 1e-12
@@ -86,8 +86,8 @@ def assert_same_plans(tree, probs, keys, monkeypatch):
 def assert_same_walks(gen, tree, probs, plan, rows=None):
     uniforms = torch.rand(tree.batch_size, tree.max_nodes, generator=gen, dtype=F64)
     bonus = torch.rand(tree.batch_size, generator=gen, dtype=F64)
-    want = traversal_walk(tree, plan, probs, uniforms, bonus, backend="torch")
-    got = traversal_walk(tree, plan, probs, uniforms, bonus, backend="triton")
+    want = walk_plan(tree, plan, probs, uniforms, bonus, backend="torch")
+    got = walk_plan(tree, plan, probs, uniforms, bonus, backend="triton")
     for field in dataclasses.fields(want):
         assert torch.equal(getattr(got, field.name), getattr(want, field.name)), field.name
 

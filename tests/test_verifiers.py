@@ -2,8 +2,8 @@
 
 Exactness: on tiny vocabularies every outcome of a verifier (accepted path +
 bonus) is enumerated with its probability, using the verifier's own decision
-functions with controlled randomness (``target_only_walk``,
-``traversal_plan`` + ``traversal_walk``); each enumerated outcome is then
+functions with controlled randomness (``target_only_plan`` or ``traversal_plan``,
+then ``walk_plan``); each enumerated outcome is then
 replayed through the batched walk with crafted uniforms. Extended to a fixed
 horizon by target sampling, the law of the output sequence must equal the
 target's multi-step law to 1e-10.
@@ -22,9 +22,9 @@ from vllm_tfm.drafting.verifiers import (
     ORDER_STREAM,
     TraversalPlan,
     _finish,
-    target_only_walk,
+    target_only_plan,
     traversal_plan,
-    traversal_walk,
+    walk_plan,
     verify_greedy,
     verify_target_only,
     verify_traversal,
@@ -208,49 +208,29 @@ def check_replay(tree, probs, walk, cases):
 # -- target-only --------------------------------------------------------------------
 
 def enumerate_target_only(tree, probs):
-    children = {i: [] for i in range(int(tree.num_nodes[0]))}
-    for i in range(1, int(tree.num_nodes[0])):
-        children[int(tree.parents[0, i])].append(i)
-    cases = []
-
-    def visit(node, path, weight, uniforms):
-        row = probs[0, node]
-        for x in range(row.shape[0]):
-            if row[x] == 0:
-                continue
-            u = dict(uniforms)
-            u[node] = midpoint(row, x)
-            w = weight * float(row[x] / row.sum())
-            nxt = [c for c in children[node] if int(tree.tokens[0, c]) == x]
-            if nxt:
-                visit(nxt[0], path + [nxt[0]], w, u)
-            else:
-                cases.append((path, x, w, u))
-
-    visit(0, [0], 1.0, {})
-    return cases
+    return enumerate_plan(tree, probs, target_only_plan(tree, probs))
 
 
-def run_target_only_cases(tree, probs, cases):
-    uniforms = torch.full((len(cases), tree.max_nodes), 0.5, dtype=F64)
-    for row, (_, _, _, u) in enumerate(cases):
-        for node, value in u.items():
-            uniforms[row, node] = value
-    return target_only_walk(tree, probs, uniforms)
+def run_target_only_cases(tree, probs, cases, backend="torch"):
+    return run_plan_cases(tree, probs, target_only_plan(tree, probs), cases, backend)
 
 
 KINDS = ("smooth", "peaky", "zeros", "onehot")
+# "triton": the walk and the traversal sweeps as kernels (triton_ops.traversal), in the
+# interpreter.
+BACKENDS = ("torch", "triton")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("vocab", [3, 4])
-def test_target_only_is_lossless(shape, kind, vocab, gen):
+def test_target_only_is_lossless(shape, kind, vocab, backend, gen):
     tree = make_tree(SHAPES[shape], vocab, gen)
     law = ContextLaw(vocab, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
     probs = target_probs(tree, law)
     cases = enumerate_target_only(tree, probs)
-    check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c), cases)
+    check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c, backend), cases)
     outcomes = add_outcomes({}, tree, cases)
     root = int(tree.tokens[0, 0])
     assert_lossless(law, root, outcomes, max(depths_of(SHAPES[shape])) + 1)
@@ -287,7 +267,7 @@ def enumerate_plan(tree, probs, plan):
     return cases
 
 
-def run_traversal_cases(tree, probs, plan, cases, backend="torch"):
+def run_plan_cases(tree, probs, plan, cases, backend="torch"):
     rows = len(cases)
     choice_u = torch.full((rows, tree.max_nodes), 0.5, dtype=F64)
     bonus_u = torch.empty(rows, dtype=F64)
@@ -295,11 +275,11 @@ def run_traversal_cases(tree, probs, plan, cases, backend="torch"):
         for node, value in u.items():
             choice_u[row, node] = value
         bonus_u[row] = ub
-    wide = TraversalPlan(**{
+    wide = type(plan)(**{
         f.name: getattr(plan, f.name).index_select(0, torch.zeros(rows, dtype=torch.int64))
-        for f in fields(TraversalPlan)
+        for f in fields(plan)
     })
-    return traversal_walk(tree, wide, probs, choice_u, bonus_u, backend)
+    return walk_plan(tree, wide, probs, choice_u, bonus_u, backend)
 
 
 def sibling_orders(tree):
@@ -335,10 +315,6 @@ def sibling_orders(tree):
         yield keys, weight
 
 
-# "triton": the per-node sweeps as kernels (triton_ops.traversal), in the interpreter.
-BACKENDS = ("torch", "triton")
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("kind", KINDS)
@@ -357,7 +333,7 @@ def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind,
         plan = plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c, backend),
+        check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c, backend),
                      cases)
         for path, bonus, weight, _, _ in cases:
             # On a deterministic tree a drawn child token is always accepted.
@@ -473,7 +449,7 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, backend, g
         probs, plan = all_probs[row : row + 1], plan_row(plans, row)
         assert abs(float(plan.accept[0, 0]) - 1.0) < 1e-12
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c, backend),
+        check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c, backend),
                      cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert abs(total - 1.0) < 1e-12
@@ -518,7 +494,7 @@ def test_traversal_beats_target_only_on_sampled_chain():
         plan = traversal_plan(tree, probs)
         for path, _, w, _, _ in enumerate_plan(tree, probs, plan):
             accepted["traversal"] += weight * w * (len(path) - 1)
-        for path, _, w, _ in enumerate_target_only(tree, probs):
+        for path, _, w, *_ in enumerate_target_only(tree, probs):
             accepted["target_only"] += weight * w * (len(path) - 1)
     assert abs(accepted["traversal"] - 2.0) < 1e-5
     assert accepted["target_only"] < 1.5
@@ -800,7 +776,7 @@ def assert_sampled_trees_lossless(trees: DraftTree, law: ContextLaw, root: int) 
         probs = target_probs(tree, law)
         plan = traversal_plan(tree, probs)
         cases = enumerate_plan(tree, probs, plan)
-        check_replay(tree, probs, lambda t, p, c: run_traversal_cases(t, p, plan, c), cases)
+        check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c), cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
     return realised

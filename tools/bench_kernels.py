@@ -1,7 +1,7 @@
 """Kernel benchmarks, one tool for every tree-op family: correctness on the device first,
 then one timing table per family.
 
-    python tools/bench_kernels.py [--only gdn,conv,attn] [--out FILE] [--sweep] [--smoke]
+    python tools/bench_kernels.py [--only gdn,conv,attn,verify] [--out FILE] [--sweep] [--smoke]
     ncu --clock-control none -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn
 
 (ncu writes its report when the program exits: a run cut by a timeout leaves none, so bound
@@ -10,7 +10,9 @@ it with ncu's ``-c COUNT`` rather than a timeout.)
 Families: ``gdn`` (tree verify / commit against the per-node-state baseline, fla's chunk
 kernel on a chain of the same N and vLLM's own GDN spec-decode kernel at the same token
 count, where importable), ``conv`` (tree conv1d and its commit), ``attn`` (tree attention
-against SDPA, and the tree KV commit). Each family is one ``bench_<family>(args)`` function
+against SDPA, and the tree KV commit), ``verify`` (the sampled verifiers, traversal and
+target-only, with their per-node sweeps as the PyTorch path and as triton_ops.traversal's
+kernels, eager: model runner V2 verifies outside its graphs). Each family is one ``bench_<family>(args)`` function
 that checks, times and returns its printed lines; ``main`` runs the selected ones and prints
 (and with ``--out`` saves) every table. ``--sweep`` adds the launch-configuration sweeps.
 ``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing, to
@@ -36,6 +38,8 @@ import sys
 import time
 from pathlib import Path
 
+import dataclasses
+
 import torch
 
 from triton_ops.gdn_tree import (
@@ -55,6 +59,15 @@ from triton_ops.tree_attention import (
 )
 from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from vllm_tfm.drafting.builders import build_sampled_tree
+from vllm_tfm.drafting.tree import DraftTree
+from vllm_tfm.drafting.verifiers import (
+    traversal_plan,
+    verify_greedy,
+    verify_target_only,
+    verify_traversal,
+    walk_plan,
+)
 
 L2_BYTES = 60 << 20
 
@@ -926,6 +939,63 @@ def bench_attention(args) -> list[str]:
     return run_sections("attn", sections, args)
 
 
+# --- sampled verifiers -----------------------------------------------------------------------
+
+
+def sampled_tree_batch(gen, B, budget, depth, pool, vocab, device) -> DraftTree:
+    """B sampled trees of ``budget`` nodes from random pools (the engine's T = 1 trees)."""
+    pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool] for _ in range(B * depth)])
+    pool_ids = pool_ids.view(B, depth, pool)
+    logits = torch.randn(B, depth, pool, generator=gen) * 2
+    seeds = torch.randint(0, 1 << 40, (B,), generator=gen)
+    tree = build_sampled_tree(pool_ids[:, 0, 0], pool_ids, logits, budget, seeds)
+    return dataclasses.replace(tree, **{f.name: getattr(tree, f.name).to(device)
+                                        for f in dataclasses.fields(tree)
+                                        if isinstance(getattr(tree, f.name), torch.Tensor)})
+
+
+def verify_table(device, args) -> list[str]:
+    """Per batch: both backends' plans agree (float64), their walks match, then eager time
+    per call of each verifier on a budget-64 tree (sampled: traversal; the same tree as a
+    deterministic one: target-only), greedy for scale."""
+    vocab, depth, pool, budget = (64, 4, 16, 8) if args.smoke else (248320, 15, 512, 64)
+    gen = torch.Generator().manual_seed(31)
+    rows = []
+    for B in ((1, 2) if args.smoke else (1, 8, 32)):
+        sampled = sampled_tree_batch(gen, B, budget, depth, pool, vocab, device)
+        plain = dataclasses.replace(sampled, pool_ids=None, proposal_logq=None)
+        probs = torch.softmax(3 * torch.randn(B, sampled.max_nodes, vocab, generator=gen).to(device), -1)
+        seeds = torch.randint(0, 1 << 40, (B,), generator=gen).to(device)
+        torch_plan = traversal_plan(sampled, probs, backend="torch")
+        triton_plan = traversal_plan(sampled, probs, backend="triton")
+        err = max((getattr(torch_plan, f) - getattr(triton_plan, f)).abs().max().item()
+                  for f in ("alpha", "accept", "choice", "residual", "outside_scale"))
+        uniforms = torch.rand(B, sampled.max_nodes, generator=gen, dtype=torch.float64).to(device)
+        bonus = torch.rand(B, generator=gen, dtype=torch.float64).to(device)
+        walks = [walk_plan(sampled, torch_plan, probs, uniforms, bonus, backend).output_tokens
+                 for backend in ("torch", "triton")]
+        same_walk = torch.equal(*walks)
+        if not (err < 1e-12 and same_walk):
+            args.failed.append(f"verify B={B}: plan error {err:.1e}, walks equal {same_walk}")
+        cells = []
+        for run in (lambda b: verify_traversal(sampled, probs, seeds, validate=False, backend=b),
+                    lambda b: verify_target_only(plain, probs, seeds, validate=False, backend=b)):
+            cells += [fmt(guarded(f"verify {backend}", lambda b=backend: time_eager(lambda: run(b), device)))
+                      for backend in ("torch", "triton")]
+        greedy = time_eager(lambda: verify_greedy(sampled, probs, validate=False), device)
+        rows.append([str(B), str(sampled.max_nodes), *cells, fmt(greedy), fmt_err(err),
+                     "yes" if same_walk else "NO"])
+    return table(f"sampled verifiers, eager us per call (vocabulary {vocab}, sampled trees of {budget} "
+                 f"drafted nodes from {pool}-id pools; target-only on the same trees as deterministic "
+                 "ones); plan error: max |PyTorch - kernels| over the traversal plan",
+                 ["B", "N", "traversal torch", "traversal kernels", "target-only torch",
+                  "target-only kernels", "greedy", "plan error", "walks equal"], rows)
+
+
+def bench_verify(args) -> list[str]:
+    return run_sections("verify", [lambda: verify_table(args.device, args)], args)
+
+
 # --- driver -----------------------------------------------------------------------------------
 
 
@@ -944,7 +1014,7 @@ def run_sections(family: str, sections: list, args) -> list[str]:
     return lines
 
 
-FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention}
+FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention, "verify": bench_verify}
 
 
 def main() -> int:

@@ -2,7 +2,8 @@
 
 One subpackage per op (``gdn_tree``, ``tree_conv``, ``tree_attention``,
 ``pool_logits``, ``weaver_step``: the Weaver node step and the best-first
-frontier), each with its reference; ``tree_metadata`` holds
+frontier, ``traversal``: the sampled verifiers' per-node sweeps), each with
+its reference; ``tree_metadata`` holds
 the step's topology that all of them read, ``utils`` the backend choice,
 checks and jit helpers they share, ``testing`` the random trees of the tests
 and benchmarks. The names below bind no submodule's name, so every

@@ -1,5 +1,6 @@
-"""Traversal verification's per-node sweeps: the sibling loops and subtree acceptance
-(:func:`traversal_law`), the descent that samples them (:func:`walk_choices`)."""
+"""The sampled verifiers' per-node sweeps: traversal's sibling loops and subtree
+acceptance (:func:`traversal_law`), the descent that samples a verifier's per-node
+choices (:func:`walk_choices`)."""
 
 from triton_ops.traversal.traversal import TraversalLaw, traversal_law, walk_choices
 from triton_ops.traversal.traversal_torch import sample_index

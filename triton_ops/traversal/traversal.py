@@ -1,13 +1,15 @@
-"""Traversal verification's per-node sweeps (Weng et al. 2025, arXiv 2505.12398).
+"""The sampled verifiers' per-node sweeps: Traversal Verification (Weng et al. 2025,
+arXiv 2505.12398) and the walk that target-only verification shares with it.
 
-The algorithm and its exact outcome law are in :mod:`vllm_tfm.drafting.verifiers`; this
-op holds the parts that go node by node, so that a GPU runs them as one launch per
+The algorithms and their exact outcome laws are in :mod:`vllm_tfm.drafting.verifiers`;
+this op holds the parts that go node by node, so that a GPU runs them as one launch per
 sweep instead of a dozen launches per node:
 
 * :func:`traversal_law`: every node's acceptance weight and its state after its
   children's rejections (the sibling loops), then subtree acceptance and the law of
   where an accepted path goes next;
-* :func:`walk_choices`: the descent that samples that law from the root.
+* :func:`walk_choices`: the descent that samples such a law from the root (traversal's,
+  or target-only's: into child c with probability p(c), else stop).
 
 CUDA tensors run the kernels of :mod:`.traversal_triton`, CPU tensors the PyTorch path
 of :mod:`.traversal_torch` (see :func:`triton_ops.utils.use_triton`). Everything is

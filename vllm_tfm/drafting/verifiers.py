@@ -14,7 +14,10 @@ Verifiers:
   the argmax at the deepest accepted node.
 * target_only: at each node draw x ~ p(node); move to the child holding x,
   else stop with x as the bonus. The output is a target sample by
-  construction, whatever the tree: lossless for every tree. For a tree that
+  construction, whatever the tree: lossless for every tree. It is run in
+  the equivalent form "move to child c with probability p(c), else stop and
+  draw the bonus from p off the children" (:func:`target_only_plan`), which
+  needs p only at the children until the walk stops. For a tree that
   is a deterministic function of the drafter (chain, DDTree, Weaver
   best-first) it is also optimal: any lossless verifier accepts a path with
   probability at most its target probability, and this one reaches it for
@@ -29,9 +32,10 @@ Verifiers:
   equals target_only's (lossless and a child token is never the bonus), at
   a higher cost.
 
-Each verifier is split into a randomness-free decision part
-(:func:`target_only_walk`, :func:`traversal_plan` + :func:`traversal_walk`)
-that takes explicit uniforms, so tests can enumerate every outcome exactly.
+The sampled verifiers are split into a randomness-free plan
+(:func:`target_only_plan`, :func:`traversal_plan`: where the walk goes from
+each node, and the bonus law where it stops) and :func:`walk_plan`, which
+takes explicit uniforms, so tests can enumerate every outcome exactly.
 """
 
 from __future__ import annotations
@@ -71,30 +75,21 @@ class VerifyResult:
 
 
 @dataclass(frozen=True)
-class TraversalPlan:
-    """Traversal verification's outcome law on one realised tree (float64).
-
-    S is the proposal support size: K (the children) on deterministic
-    trees, P (the pool row) on sampled trees. K+1 choices per node: its
-    children in visiting order, then "stop here".
+class WalkPlan:
+    """Where a sampled verifier's walk goes from each node, and the bonus law where it
+    stops (float64). K+1 choices per node: its children in visiting order, then "stop
+    here". S is the size of the support on which the bonus law is explicit.
 
     Attributes:
         children: [R, N, K] int64 children in visiting order, -1 padded.
-        alpha: [R, N] acceptance weight p_alpha a node is tested with.
-        accept: [R, N] probability that the node's subtree accepts a path when
-            tested with ``alpha``.
-        choice: [R, N, K+1] law of where the accepted path goes next, given that
-            the node's subtree accepts: into child j's subtree, or stop.
-        support: [R, N, S] int64 proposal support tokens, -1 padded.
-        residual: [R, N, S] the bonus law at the node on the support, after all
-            its children were rejected.
+        choice: [R, N, K+1] law of the walk's next move: into child j, or stop.
+        support: [R, N, S] int64 support tokens, -1 padded.
+        residual: [R, N, S] the bonus law at the node on the support.
         outside_scale: [R, N] the bonus law off the support is
             ``outside_scale * p(x)``.
     """
 
     children: torch.Tensor
-    alpha: torch.Tensor
-    accept: torch.Tensor
     choice: torch.Tensor
     support: torch.Tensor
     residual: torch.Tensor
@@ -112,12 +107,31 @@ class TraversalPlan:
         return law[:, :V]
 
 
+@dataclass(frozen=True)
+class TraversalPlan(WalkPlan):
+    """Traversal verification's outcome law on one realised tree (float64).
+
+    S is the proposal support size: K (the children) on deterministic trees, P (the
+    pool row) on sampled trees. ``choice`` is the law of where the accepted path goes
+    next given that the node's subtree accepts; ``residual`` the bonus law on the
+    support after all the node's children were rejected.
+
+    Attributes:
+        alpha: [R, N] acceptance weight p_alpha a node is tested with.
+        accept: [R, N] probability that the node's subtree accepts a path when
+            tested with ``alpha``.
+    """
+
+    alpha: torch.Tensor
+    accept: torch.Tensor
+
+
 def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) -> VerifyResult:
     """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs.
 
-    The walk of :func:`_descend` with every node's argmax known up front, in a fixed
-    number of tensor ops (no step per depth, which on a GPU is a host-bound loop): a
-    node is on the accepted path iff its token is its parent's argmax and so is every
+    Walk from the root into the child holding the node's argmax, with every node's
+    argmax known up front, in a fixed number of tensor ops (no step per depth, which
+    on a GPU is a host-bound loop): a node is on the accepted path iff its token is its parent's argmax and so is every
     ancestor's. Sibling tokens are distinct, so at most one child of a node matches
     and those nodes form one chain from the root: the leaf is its deepest node.
     """
@@ -139,19 +153,44 @@ def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) 
 
 
 def verify_target_only(
-    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True
+    tree: DraftTree, probs: torch.Tensor, seeds: torch.Tensor, validate: bool = True,
+    backend: str = "auto",
 ) -> VerifyResult:
-    """Target-only verification (lossless for any tree). ``probs``: [R, N, V]."""
+    """Target-only verification (lossless for any tree). ``probs``: [R, N, V];
+    ``backend``: of the walk (:func:`triton_ops.traversal.walk_choices`)."""
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
-    uniforms = counter_uniform(seeds, TARGET_ONLY_STREAM, _node_ids(tree))
-    return target_only_walk(tree, probs, uniforms)
+    nodes = _node_ids(tree)
+    return walk_plan(
+        tree,
+        target_only_plan(tree, probs),
+        probs,
+        counter_uniform(seeds, TARGET_ONLY_STREAM, nodes),
+        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1])[:, 0],
+        backend,
+    )
 
 
-def target_only_walk(tree: DraftTree, probs: torch.Tensor, uniforms: torch.Tensor) -> VerifyResult:
-    """Target-only with explicit randomness: node i draws ``sample_index(p_i, uniforms[:, i])``."""
-    batch = torch.arange(tree.batch_size, device=probs.device)
-    return _descend(tree, lambda node: sample_index(probs[batch, node], uniforms[batch, node]))
+def target_only_plan(tree: DraftTree, probs: torch.Tensor) -> WalkPlan:
+    """Target-only's walk: from node v into child c with probability p_v(c) (children in
+    node order), else stop, the bonus then drawn from p_v off v's children. The same
+    law as drawing x ~ p_v and moving to the child holding x (stopping with x as the
+    bonus when none does)."""
+    R, N = tree.tokens.shape
+    batch = torch.arange(R, device=probs.device)[:, None, None]
+    children, _ = tree.children(N - 1)
+    present = children >= 0
+    support = torch.where(present, tree.tokens[batch, children.clamp(min=0)], -1)
+    into = torch.where(present, probs.gather(-1, support.clamp(min=0)).double(), 0.0)
+    into = into / _row_total(probs)
+    stop = _outside_mass(into)
+    return WalkPlan(
+        children=children,
+        choice=torch.cat([into, stop[..., None]], -1),
+        support=support,
+        residual=torch.zeros_like(into),
+        outside_scale=torch.where(stop > 0, 1 / torch.where(stop > 0, stop, 1.0), 0.0),
+    )
 
 
 def verify_traversal(
@@ -173,7 +212,7 @@ def verify_traversal(
     if not tree.sampled:
         keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes)
     plan = traversal_plan(tree, probs, keys, backend)
-    return traversal_walk(
+    return walk_plan(
         tree,
         plan,
         probs,
@@ -278,10 +317,7 @@ def traversal_plan(
     total = _row_total(probs)
     target = torch.where(support >= 0, probs.gather(-1, support.clamp(min=0)).double(), 0.0)
     target = target / total
-    outside = 1 - target.sum(-1)
-    # A support holding all of p leaves float64 rounding (~1e-16 per id) here, which
-    # would give the walk a ~1e-13 chance to stop where no bonus token has mass.
-    outside = torch.where(outside > OUTSIDE_MASS_FLOOR, outside, 0.0)
+    outside = _outside_mass(target)
 
     flat_children = torch.where(present, children, N).view(R, -1)
     rank = _per_node(torch.arange(K, device=device).expand(R, N, K), flat_children)
@@ -303,9 +339,9 @@ def traversal_plan(
     )
 
 
-def traversal_walk(
+def walk_plan(
     tree: DraftTree,
-    plan: TraversalPlan,
+    plan: WalkPlan,
     probs: torch.Tensor,
     choice_uniforms: torch.Tensor,
     bonus_uniforms: torch.Tensor,
@@ -321,6 +357,15 @@ def traversal_walk(
                                  backend)
     bonus = sample_index(plan.bonus_distribution(probs, leaf), bonus_uniforms)
     return _finish(tree, leaf, bonus, on_path)
+
+
+def _outside_mass(on_support: torch.Tensor) -> torch.Tensor:
+    """[R, N] target mass off the support, from its law on it ([R, N, S], normalised p).
+    A support holding all of p leaves float64 rounding (~1e-16 per id), which would give
+    the walk a ~1e-13 chance to stop where no bonus token has mass: below
+    OUTSIDE_MASS_FLOOR it is 0."""
+    outside = 1 - on_support.sum(-1)
+    return torch.where(outside > OUTSIDE_MASS_FLOOR, outside, 0.0)
 
 
 def _per_node(values: torch.Tensor, flat_children: torch.Tensor) -> torch.Tensor:
@@ -351,29 +396,6 @@ def _row_total(rows: torch.Tensor) -> torch.Tensor:
 
 def _node_ids(tree: DraftTree) -> torch.Tensor:
     return torch.arange(tree.max_nodes, device=tree.tokens.device).expand(tree.batch_size, -1)
-
-
-def _descend(tree: DraftTree, pick) -> VerifyResult:
-    """Walk from the root: ``pick(node [R]) -> token [R]``; move to the child
-    holding that token, else stop with it as the bonus.
-
-    Each move matches the token against every node whose parent is the current one
-    (sibling tokens are distinct: at most one matches), rather than against a children
-    table, N - 1 columns wide unless its width is read back."""
-    R = tree.batch_size
-    device = tree.tokens.device
-    parents = torch.where(tree.valid, tree.parents.long(), -1)
-    node = torch.zeros(R, dtype=torch.int64, device=device)
-    bonus = torch.zeros(R, dtype=torch.int64, device=device)
-    done = torch.zeros(R, dtype=torch.bool, device=device)
-    for _ in range(tree.max_depth + 1):
-        token = pick(node)
-        bonus = torch.where(done, bonus, token)
-        match = (parents == node[:, None]) & (tree.tokens == token[:, None])
-        found = match.any(-1) & ~done
-        node = torch.where(found, match.long().argmax(-1), node)
-        done = done | ~found
-    return _finish(tree, node, bonus)
 
 
 def _finish(tree: DraftTree, leaf: torch.Tensor, bonus: torch.Tensor,

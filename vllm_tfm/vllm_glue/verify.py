@@ -200,10 +200,10 @@ def request_seeds(sampling_metadata, num_reqs: int, device) -> torch.Tensor:
     return seeds.to(device)
 
 
-def _merge(chosen: VerifyResult, other: VerifyResult, take: np.ndarray) -> VerifyResult:
+def _merge(chosen: VerifyResult, other: VerifyResult | None, take: np.ndarray) -> VerifyResult:
     """Per request: ``chosen``'s result where ``take`` ([R] bool on the host), else
-    ``other``'s."""
-    if take.all():
+    ``other``'s (None: no request has one yet)."""
+    if other is None or take.all():
         return chosen
     rows = to_device(take, chosen.accepted_leaf.device)
     pick = lambda a, b: torch.where(  # noqa: E731
@@ -237,9 +237,11 @@ def verify_trees(
             target-only, whose outcome law traversal only equals there, at a higher
             cost).
     """
-    result = verify_greedy(tree, logits, validate=False)
     if greedy.all():
-        return result
+        return verify_greedy(tree, logits, validate=False)
+    # Greedy, sampled-tree and deterministic-tree rows partition the batch; each verifier
+    # runs only where it has rows.
+    result = verify_greedy(tree, logits, validate=False) if greedy.any() else None
     probs = torch.softmax(processed.float(), dim=-1)
     sampled_tree = sampled_tree & ~greedy
     if sampled_tree.any():
