@@ -28,6 +28,7 @@ from triton.runtime.interpreter import InterpretedFunction
 import triton_ops
 import triton_ops.gdn_tree.chunk_triton as chunk_triton
 import triton_ops.tree_metadata as tree_metadata
+from triton_ops.counter_random import counter_gumbel, counter_uniform
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.gating import gdn_gating
@@ -203,6 +204,13 @@ def weaver_step(gen):
                    backend="triton")
 
 
+def counter_random(gen):
+    seeds = torch.randint(0, 1 << 40, (2,), generator=gen)
+    counters = torch.arange(2 * 600).view(2, 600)
+    counter_uniform(seeds, 3, counters, backend="triton")
+    counter_gumbel(seeds, 1, counters, backend="triton")
+
+
 def traversal(gen):
     R, N, S = 2, 17, 512
     index = torch.randint(-1, N, (R, N), generator=gen)
@@ -217,7 +225,7 @@ CASES = {
     **{f"gdn verify {kernel}": verify_kernel(kernel)
        for kernel in chunk_triton.VERIFY_KERNELS},
     "tree metadata": metadata, "gdn recurrent": recurrent, "gdn gating": gating,
-    "tree conv": conv, "traversal": traversal,
+    "tree conv": conv, "traversal": traversal, "counter random": counter_random,
     "tree attention": attention, "pool logits": pool, "weaver step": weaver_step,
 }
 

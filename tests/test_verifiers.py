@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from triton_ops.tree_metadata import root_to_node_path
-from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform, derive_seeds
+from triton_ops.counter_random import counter_gumbel, counter_uniform
+from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import (
     ORDER_STREAM,
     TraversalPlan,

@@ -41,6 +41,7 @@ from pathlib import Path
 import dataclasses
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
@@ -954,11 +955,57 @@ def sampled_tree_batch(gen, B, budget, depth, pool, vocab, device) -> DraftTree:
                                         if isinstance(getattr(tree, f.name), torch.Tensor)})
 
 
+class LaunchCount(TorchDispatchMode):
+    """Calls that launch work: aten calls that are not views (about one kernel each on a
+    GPU) plus Triton kernel launches; what the interpreter runs inside a launch on CPU is
+    not counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused and not any(ret.alias_info for ret in func._schema.returns):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+
+        self.patched = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
+        for cls, run in self.patched:
+            cls.run = self.counted(run)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for cls, run in self.patched:
+            cls.run = run
+        return super().__exit__(*exc)
+
+    def counted(self, run):
+        def launch(*args, **kwargs):
+            self.paused = True
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.paused = False
+                self.calls += not kwargs.get("warmup", False)
+        return launch
+
+
+def launches(fn) -> int:
+    with LaunchCount() as count:
+        fn()
+    return count.calls
+
+
 def verify_table(device, args) -> list[str]:
     """Per batch: both backends' plans agree (float64), their walks match, then eager time
     per call of each verifier on a budget-64 tree (sampled: traversal; the same tree as a
     deterministic one: target-only), greedy for scale."""
-    vocab, depth, pool, budget = (64, 4, 16, 8) if args.smoke else (248320, 15, 512, 64)
+    vocab, depth, pool, budget = (4096, 15, 512, 64) if args.smoke else (248320, 15, 512, 64)
     gen = torch.Generator().manual_seed(31)
     rows = []
     for B in ((1, 2) if args.smoke else (1, 8, 32)):
@@ -980,14 +1027,17 @@ def verify_table(device, args) -> list[str]:
         cells = []
         for run in (lambda b: verify_traversal(sampled, probs, seeds, validate=False, backend=b),
                     lambda b: verify_target_only(plain, probs, seeds, validate=False, backend=b)):
-            cells += [fmt(guarded(f"verify {backend}", lambda b=backend: time_eager(lambda: run(b), device)))
-                      for backend in ("torch", "triton")]
-        greedy = time_eager(lambda: verify_greedy(sampled, probs, validate=False), device)
-        rows.append([str(B), str(sampled.max_nodes), *cells, fmt(greedy), fmt_err(err),
+            for backend in ("torch", "triton"):
+                us = guarded(f"verify {backend}", lambda b=backend: time_eager(lambda: run(b), device))
+                cells.append(f"{fmt(us)} ({launches(lambda b=backend: run(b))})")
+        greedy = lambda: verify_greedy(sampled, probs, validate=False)  # noqa: E731
+        rows.append([str(B), str(sampled.max_nodes), *cells,
+                     f"{fmt(time_eager(greedy, device))} ({launches(greedy)})", fmt_err(err),
                      "yes" if same_walk else "NO"])
-    return table(f"sampled verifiers, eager us per call (vocabulary {vocab}, sampled trees of {budget} "
-                 f"drafted nodes from {pool}-id pools; target-only on the same trees as deterministic "
-                 "ones); plan error: max |PyTorch - kernels| over the traversal plan",
+    return table(f"sampled verifiers, eager us per call (launches) (vocabulary {vocab}, sampled trees "
+                 f"of {budget} drafted nodes from {pool}-id pools; target-only on the same trees as "
+                 "deterministic ones; launches: non-view torch calls + Triton launches); plan error: "
+                 "max |PyTorch - kernels| over the traversal plan",
                  ["B", "N", "traversal torch", "traversal kernels", "target-only torch",
                   "target-only kernels", "greedy", "plan error", "walks equal"], rows)
 

@@ -37,8 +37,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from triton_ops.counter_random import counter_gumbel
 from triton_ops.weaver_step import ExpandBatch, Frontier, GrowingTree, pop_frontier, push_children
-from vllm_tfm.drafting.tree import DraftTree, counter_gumbel
+from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import DEFAULT_FANOUT, default_expand_width
 
 # counter_uniform stream of the sampled builder's Gumbel noise.

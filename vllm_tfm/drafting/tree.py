@@ -16,10 +16,10 @@ Two kinds of tree exist and the verifiers treat them differently:
   They carry that distribution (``proposal_logq``) because traversal
   verification needs its full support, not only the drawn children.
 
-This module also holds the counter-based random numbers shared by the sampled
-builder and the verifiers: a uniform is a hash of (request seed, stream,
-counter), so a request's draws do not depend on the batch it sits in or on
-the device.
+The sampled builder and the verifiers draw counter-based random numbers
+(:mod:`triton_ops.counter_random`): a uniform is a hash of (request seed,
+stream, counter), so a request's draws do not depend on the batch it sits in
+or on the device; :func:`derive_seeds` gives a fresh seed per use.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_ops.counter_random import mix64
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
 
@@ -257,63 +258,10 @@ def _check_layout(tree: DraftTree) -> None:
                 raise ValueError(f"{name} is on {getattr(tree, name).device}, tokens on {device}")
 
 
-# -- counter-based random numbers ----------------------------------------------
-#
-# SplitMix64's finaliser over int64 tensors. torch's int64 arithmetic wraps
-# modulo 2^64 and its right shift is arithmetic, so logical shifts mask the
-# sign-extended bits.
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)
-_MIX1 = _signed(0xBF58476D1CE4E5B9)
-_MIX2 = _signed(0x94D049BB133111EB)
-
-
-def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
-    return (x >> bits) & ((1 << (64 - bits)) - 1)
-
-
-def _mix64(x: torch.Tensor) -> torch.Tensor:
-    z = x + _GOLDEN
-    z = (z ^ _shift_right(z, 30)) * _MIX1
-    z = (z ^ _shift_right(z, 27)) * _MIX2
-    return z ^ _shift_right(z, 31)
-
-
 def derive_seeds(seeds: torch.Tensor, counter: torch.Tensor | int) -> torch.Tensor:
     """[R] int64 seeds for one use (e.g. one decoding step) of per-request seeds.
 
     ``counter`` ([R] int64 or an int, e.g. the number of tokens generated so
     far) must differ between uses, so consecutive steps draw fresh numbers.
     """
-    return _mix64(_mix64(seeds.long()) + counter)
-
-
-def counter_uniform(
-    seeds: torch.Tensor, stream: int, counters: torch.Tensor, open_interval: bool = False
-) -> torch.Tensor:
-    """Uniform numbers from (seed, stream, counter) hashes.
-
-    Args:
-        seeds: [R] int64, one per request.
-        stream: small int naming the use, so different uses never share numbers.
-        counters: [R, ...] int64, the draw's index within the request's stream.
-        open_interval: draw from (0, 1) instead of [0, 1).
-
-    Returns:
-        [R, ...] float64, 53 random bits each.
-    """
-    # The stream's key is hashed on the seeds' device: no host read of a device value.
-    seeds = seeds.long()
-    key = _mix64(seeds ^ _mix64(torch.full_like(seeds, stream)))
-    key = key.view(-1, *([1] * (counters.dim() - 1)))
-    bits = _shift_right(_mix64(key + (counters.long() + 1) * _GOLDEN), 11)
-    return (bits.double() + (0.5 if open_interval else 0.0)) * 2.0**-53
-
-
-def counter_gumbel(seeds: torch.Tensor, stream: int, counters: torch.Tensor) -> torch.Tensor:
-    """Standard Gumbel noise, [R, ...] float64, from :func:`counter_uniform`."""
-    return -torch.log(-torch.log(counter_uniform(seeds, stream, counters, open_interval=True)))
+    return mix64(mix64(seeds.long()) + counter)

@@ -4,7 +4,7 @@ Inputs are a :class:`DraftTree` and the target's next-token distribution at
 every node, ``probs`` [R, N, V] (row i = the distribution after node i's
 path, temperature / top-k / top-p already applied; rows are normalised here
 in float64). Randomness comes from per-request seeds ([R] int64) through
-counter-based hashes (:func:`vllm_tfm.drafting.tree.counter_uniform`), so a
+counter-based hashes (:func:`triton_ops.counter_random.counter_uniform`), so a
 request's result depends only on its own seed, tree and probs. Derive a
 fresh seed per step (:func:`vllm_tfm.drafting.tree.derive_seeds`).
 
@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 import torch
 
+from triton_ops.counter_random import counter_gumbel, counter_uniform
 from triton_ops.traversal import sample_index, traversal_law, walk_choices
-from vllm_tfm.drafting.tree import DraftTree, counter_gumbel, counter_uniform
+from vllm_tfm.drafting.tree import DraftTree
 
 # counter_uniform streams (the sampled builder uses stream 1).
 TARGET_ONLY_STREAM = 2
@@ -157,7 +158,8 @@ def verify_target_only(
     backend: str = "auto",
 ) -> VerifyResult:
     """Target-only verification (lossless for any tree). ``probs``: [R, N, V];
-    ``backend``: of the walk (:func:`triton_ops.traversal.walk_choices`)."""
+    ``backend``: of the walk (:func:`triton_ops.traversal.walk_choices`) and the random
+    numbers."""
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
     nodes = _node_ids(tree)
@@ -165,8 +167,8 @@ def verify_target_only(
         tree,
         target_only_plan(tree, probs),
         probs,
-        counter_uniform(seeds, TARGET_ONLY_STREAM, nodes),
-        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1])[:, 0],
+        counter_uniform(seeds, TARGET_ONLY_STREAM, nodes, backend=backend),
+        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1], backend=backend)[:, 0],
         backend,
     )
 
@@ -203,21 +205,21 @@ def verify_traversal(
     ``draft_logq + Gumbel`` (sampling without replacement from q restricted to
     the children); sampled trees are visited in their sample (node) order.
     Nothing is read back from the device. ``backend``: of the per-node sweeps
-    (:mod:`triton_ops.traversal`; "auto": Triton on CUDA).
+    (:mod:`triton_ops.traversal`) and the random numbers ("auto": Triton on CUDA).
     """
     _check_target(tree, probs, "probs", validate)
     _check_seeds(tree, seeds)
     nodes = _node_ids(tree)
     keys = None
     if not tree.sampled:
-        keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes)
+        keys = tree.draft_logq.double() + counter_gumbel(seeds, ORDER_STREAM, nodes, backend)
     plan = traversal_plan(tree, probs, keys, backend)
     return walk_plan(
         tree,
         plan,
         probs,
-        counter_uniform(seeds, CHOICE_STREAM, nodes),
-        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1])[:, 0],
+        counter_uniform(seeds, CHOICE_STREAM, nodes, backend=backend),
+        counter_uniform(seeds, BONUS_STREAM, nodes[:, :1], backend=backend)[:, 0],
         backend,
     )
 
