@@ -40,8 +40,9 @@ def test_uniforms_are_splitmix_bits(backend, shape, dtype, open_interval, gen):
     stream = int(torch.randint(0, 1000, (1,), generator=gen))
     got = counter_uniform(seeds, stream, counters, open_interval, backend=backend)
     assert got.dtype == torch.float64 and got.shape == counters.shape
+    indices = torch.cartesian_prod(*map(torch.arange, shape)).view(-1, len(shape))
     want = [reference_uniform(int(seeds[row[0]]), stream, int(counters[row]), open_interval)
-            for row in map(tuple, torch.cartesian_prod(*map(torch.arange, shape)).view(-1, len(shape)))]
+            for row in map(tuple, indices)]
     assert got.flatten().tolist() == want
     low = (got > 0) if open_interval else (got >= 0)
     assert low.all() and (got < 1).all()
@@ -53,7 +54,8 @@ def test_gumbel_is_minus_log_minus_log_of_the_open_uniforms(backend, gen):
     got = counter_gumbel(seeds, 9, counters, backend=backend)
     uniforms = counter_uniform(seeds, 9, counters, open_interval=True, backend="torch")
     want = [-math.log(-math.log(u)) for u in uniforms.flatten().tolist()]
-    assert torch.allclose(got.flatten(), torch.tensor(want, dtype=torch.float64), rtol=1e-15, atol=0)
+    want = torch.tensor(want, dtype=torch.float64)
+    assert torch.allclose(got.flatten(), want, rtol=1e-15, atol=0)
 
 
 def test_strided_counters_and_empty_batches(gen):

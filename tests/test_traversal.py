@@ -41,8 +41,8 @@ def sampled_trees(gen, R, budget, depth, pool, vocab):
     pool_ids = torch.stack([torch.randperm(vocab, generator=gen)[:pool]
                             for _ in range(R * depth)]).view(R, depth, pool)
     logits = torch.randn(R, depth, pool, generator=gen) * 2
-    logits[:, :, pool // 2:] = torch.where(torch.rand(R, depth, pool - pool // 2, generator=gen) < 0.3,
-                                           float("-inf"), logits[:, :, pool // 2:])
+    tail = torch.rand(R, depth, pool - pool // 2, generator=gen) < 0.3
+    logits[:, :, pool // 2:] = torch.where(tail, float("-inf"), logits[:, :, pool // 2:])
     seeds = torch.randint(0, 1 << 40, (R,), generator=gen)
     return build_sampled_tree(pool_ids[:, 0, 0], pool_ids, logits, budget, seeds)
 

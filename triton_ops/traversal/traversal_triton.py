@@ -107,7 +107,8 @@ def _walk_kernel(
         point = tl.minimum(u * total, tl.where(total > 0, below, total))
         pick = tl.minimum(tl.sum((c_mask & (cdf <= point)).to(tl.int64), 0), K)
         done = done | (pick >= K)
-        child = tl.load(children_ptr + (base + node) * K + tl.minimum(pick, K - 1), mask=K > 0, other=0)
+        child = tl.load(children_ptr + (base + node) * K + tl.minimum(pick, K - 1), mask=K > 0,
+                        other=0)
         node = tl.where(done, node, child)
         tl.store(on_path_ptr + base + node, 1)
     tl.store(leaf_ptr + r, node)

@@ -132,9 +132,10 @@ def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) 
 
     Walk from the root into the child holding the node's argmax, with every node's
     argmax known up front, in a fixed number of tensor ops (no step per depth, which
-    on a GPU is a host-bound loop): a node is on the accepted path iff its token is its parent's argmax and so is every
-    ancestor's. Sibling tokens are distinct, so at most one child of a node matches
-    and those nodes form one chain from the root: the leaf is its deepest node.
+    on a GPU is a host-bound loop): a node is on the accepted path iff its token is its
+    parent's argmax and so is every ancestor's. Sibling tokens are distinct, so at most
+    one child of a node matches and those nodes form one chain from the root: the leaf
+    is its deepest node.
     """
     _check_target(tree, target, "target", validate)
     picks = target.argmax(-1)  # [R, N]
