@@ -3,8 +3,9 @@
 The PyTorch path runs each node of the sibling loop, each upward pass and each step of
 the walk as a dozen launches over the batch: about 6k launches a step at budget 64 on
 the GPU, where model runner V2 verifies eagerly. Here a request's program walks its
-nodes in a loop instead. A node's state row lives in global memory (S float64 values,
-up to the 512 of a pool row), written by one step and read by the next;
+nodes in a loop instead. Per-node scalars (weights, scales, the order) stay in registers;
+a node's state rows (S float64 values, up to the 512 of a pool row) and the subtree
+acceptances live in global memory, written by one step and read by the next, and
 ``tl.debug_barrier`` orders those accesses across the program's threads.
 """
 
@@ -21,23 +22,39 @@ def _product(a, b):
 
 
 @triton.jit
+def _entry(values, lanes, at):
+    """``values[at]`` of a register vector (one lane selected, the others summed as 0)."""
+    return tl.sum(tl.where(lanes == at, values, 0), 0)
+
+
+@triton.jit
 def _law_kernel(
     order_ptr, parents_ptr, children_ptr, support_index_ptr, outside_ptr,
     weight_ptr, alpha_ptr, residual_ptr, scale_ptr, q_ptr, accept_ptr, choice_ptr,
     N, S, K,
-    BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     base = tl.program_id(0).to(tl.int64) * N
+    # Per-node scalars live in registers; the rows of S values (residual, q) in memory.
+    n = tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    order = tl.load(order_ptr + base + n, mask=n_mask, other=0)
+    parents = tl.load(parents_ptr + base + n, mask=n_mask, other=-1)
+    support_index = tl.load(support_index_ptr + base + n, mask=n_mask, other=-1)
+    outside = tl.load(outside_ptr + base + n, mask=n_mask, other=0.0)
+    weight = tl.where(n == 0, 1.0, tl.zeros([BLOCK_N], dtype=tl.float64))
+    alpha = weight
+    scale = tl.full([BLOCK_N], 1.0, dtype=tl.float64)
     s = tl.arange(0, BLOCK_S)
     s_mask = s < S
     # The sibling loops: node ``order[k]`` is tested, then rejected from its parent's state.
     for k in range(1, N):
-        node = tl.load(order_ptr + base + k)
-        parent = tl.load(parents_ptr + base + node)
+        node = _entry(order, n, k)
+        parent = _entry(parents, n, node)
         up = tl.maximum(parent, 0)
-        pos = tl.load(support_index_ptr + base + node)
-        a = tl.load(weight_ptr + base + up)
-        sc = tl.load(scale_ptr + base + up)
+        pos = _entry(support_index, n, node)
+        a = _entry(weight, n, up)
+        sc = _entry(scale, n, up)
         row = (base + up) * S
         p = tl.load(residual_ptr + row + s, mask=s_mask, other=0.0)
         q_u = tl.load(q_ptr + row + s, mask=s_mask, other=0.0)
@@ -47,25 +64,30 @@ def _law_kernel(
         real = (parent >= 0) & (pos >= 0) & (q_x > 0)
         node_alpha = tl.where(real, tl.minimum(a * p_x / tl.where(real, q_x, 1.0), 1.0), 0.0)
         excess = tl.maximum(a * p - q_u, 0.0)
-        z = tl.sum(excess, 0) + a * sc * tl.load(outside_ptr + base + up)
+        z = tl.sum(excess, 0) + a * sc * _entry(outside, n, up)
         alive = real & (z > 0)
         z_safe = tl.where(alive, z, 1.0)
         left = tl.where(is_x, 0.0, q_u)
         left_mass = tl.sum(left, 0)
         new_q = tl.where(left_mass > 0, left / tl.where(left_mass > 0, left_mass, 1.0), 0.0)
-        tl.store(weight_ptr + base + up, tl.where(alive, z / (1 - a + z_safe), 0.0), mask=real)
-        tl.store(scale_ptr + base + up, tl.where(alive, a * sc / z_safe, 0.0), mask=real)
+        # The parent's state changes only when a real child was rejected.
+        parent_lane = n == tl.where(real, up, -1)
+        weight = tl.where(parent_lane, tl.where(alive, z / (1 - a + z_safe), 0.0), weight)
+        scale = tl.where(parent_lane, tl.where(alive, a * sc / z_safe, 0.0), scale)
+        weight = tl.where(n == node, node_alpha, weight)
+        alpha = tl.where(n == node, node_alpha, alpha)
         updated = s < tl.where(real, S, 0)
         tl.store(residual_ptr + row + s, tl.where(alive, excess / z_safe, 0.0), mask=updated)
         tl.store(q_ptr + row + s, new_q, mask=updated)
-        tl.store(alpha_ptr + base + node, node_alpha)
-        tl.store(weight_ptr + base + node, node_alpha)
         tl.debug_barrier()
+    tl.store(weight_ptr + base + n, weight, mask=n_mask)
+    tl.store(alpha_ptr + base + n, alpha, mask=n_mask)
+    tl.store(scale_ptr + base + n, scale, mask=n_mask)
     # Subtree acceptance, deepest nodes first: a node's children are final before it.
     j = tl.arange(0, BLOCK_K)
     j_mask = j < K
     for i in range(0, N):
-        v = tl.load(order_ptr + base + N - 1 - i)
+        v = _entry(order, n, N - 1 - i)
         children = children_ptr + (base + v) * K
         child = tl.load(children + j, mask=j_mask, other=-1)
         child_accept = tl.load(accept_ptr + base + child, mask=child >= 0, other=0.0)
@@ -74,7 +96,7 @@ def _law_kernel(
         previous_accept = tl.load(accept_ptr + base + previous, mask=previous >= 0, other=0.0)
         before = tl.cumprod(1.0 - previous_accept, 0)
         into_child = before * child_accept
-        stop = tl.reduce(1.0 - child_accept, 0, _product) * tl.load(weight_ptr + base + v)
+        stop = tl.reduce(1.0 - child_accept, 0, _product) * _entry(weight, n, v)
         accept = tl.sum(into_child, 0) + stop
         accept_safe = tl.where(accept > 0, accept, 1.0)
         tl.store(accept_ptr + base + v, accept)
@@ -119,19 +141,17 @@ def law_triton(parents, order, children, support_index, target, outside, proposa
     R, N, K = children.shape
     S = target.shape[2]
     device = target.device
-    weight = torch.zeros(R, N, dtype=torch.float64, device=device)
-    weight[:, 0] = 1
-    alpha = weight.clone()
+    weight, alpha, scale, accept = (torch.empty(R, N, dtype=torch.float64, device=device)
+                                    for _ in range(4))
     residual, q = target.clone(), proposal.clone()
-    scale = torch.ones(R, N, dtype=torch.float64, device=device)
-    accept = torch.empty(R, N, dtype=torch.float64, device=device)
     choice = torch.empty(R, N, K + 1, dtype=torch.float64, device=device)
     if R:
         _law_kernel[(R,)](
             order, parents, children, support_index, outside,
             weight, alpha, residual, scale, q, accept, choice,
             N, S, K,
-            BLOCK_S=triton.next_power_of_2(max(S, 1)), BLOCK_K=triton.next_power_of_2(max(K, 1)),
+            BLOCK_N=triton.next_power_of_2(N), BLOCK_S=triton.next_power_of_2(max(S, 1)),
+            BLOCK_K=triton.next_power_of_2(max(K, 1)),
         )
     return alpha, weight, residual, scale, accept, choice
 
