@@ -69,7 +69,8 @@ def _counter_random_kernel(
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < M
     seed = tl.load(seeds + r).to(tl.uint64, bitcast=True)
-    key = _mix(seed ^ stream_key.to(tl.uint64, bitcast=True))
+    # (A key that fits 32 bits arrives as an i32 argument: widen before the bitcast.)
+    key = _mix(seed ^ stream_key.to(tl.int64).to(tl.uint64, bitcast=True))
     counter = tl.load(counters + r * M + offs, mask=mask, other=0).to(tl.uint64, bitcast=True)
     bits = _mix(key + (counter + 1) * 0x9E3779B97F4A7C15) >> 11
     u = (bits.to(tl.float64) + HALF) * 1.1102230246251565e-16  # 2^-53
