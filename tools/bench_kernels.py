@@ -60,6 +60,7 @@ from triton_ops.tree_attention import (
 )
 from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
 from vllm_tfm.drafting.builders import build_sampled_tree
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import (
@@ -166,6 +167,10 @@ def fmt(x: float, digits: int = 1) -> str:
 
 def fmt_err(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{x:.1e}"
+
+
+def sm_clock(clocks: ClockSampler) -> str:
+    return fmt(clocks.summary["sm_mhz"], 0) if clocks.summary else "-"
 
 
 def meta_on(meta: TreeMetadata, device) -> TreeMetadata:
@@ -385,7 +390,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         shapes = args.gdn_shapes
     for N, B in shapes:
         if time.monotonic() > deadline:
-            rows.append([str(N), str(B), "(out of time)"] + [""] * (9 + 2 * len(args.kernels)))
+            rows.append([str(N), str(B), "(out of time)"] + [""] * (10 + 2 * len(args.kernels)))
             continue
         state_bytes = B * HV * K * V * 4
         in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
@@ -396,8 +401,9 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         outs = [gdn_tree_verify(*s, meta) for s in sets]
         leaf = torch.full((B,), N - 1, device=device)
         depth = int(meta.depths[0, N - 1]) + 1
-        verify_graph = guarded("verify graph", lambda: time_graph(
-            [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
+        with ClockSampler() as clocks:
+            verify_graph = guarded("verify graph", lambda: time_graph(
+                [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
         commit_graph = guarded("commit graph", lambda: time_graph(
             [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
             device,
@@ -443,7 +449,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
         commit_floor = 1e6 * commit_bytes / bandwidth
         rows.append([
-            str(N), str(B), fmt(verify_graph), fmt(verify_floor), fmt(commit_graph), fmt(commit_floor),
+            str(N), str(B), fmt(verify_graph), sm_clock(clocks), fmt(verify_floor), fmt(commit_graph),
+            fmt(commit_floor),
             fmt(rec_graph), fmt(fla_graph), fmt(spec_graph),
             fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err), *kernel_cells,
         ])
@@ -451,14 +458,15 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows.sort(key=lambda row: (int(row[0]), int(row[1])))
-    header = ["N", "B", "verify", "verify floor", "commit", "commit floor", "per-node-state",
+    header = ["N", "B", "verify", "SM MHz", "verify floor", "commit", "commit floor", "per-node-state",
               "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
     header += [f"{kernel}{part}" for kernel in args.kernels for part in ("", " err")]
     return table(
         f"GDN tree, us per layer under CUDA graphs (H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state "
         f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
         f"{fmt(bandwidth / 1e12, 2)} TB/s; per-node-state = fused_recurrent_gdn_tree writing every "
-        "node's state; fla chain = fla's chunk_gated_delta_rule on a chain of N; vLLM spec = vLLM's "
+        "node's state; SM MHz: median SM clock while verify was timed (nvidia-smi); fla chain = "
+        "fla's chunk_gated_delta_rule on a chain of N; vLLM spec = vLLM's "
         "fused_sigmoid_gating_delta_rule_update on B chains of N tokens, per-token states; errors: "
         "bf16 output and fp32 committed state vs float64, first 2 requests)",
         header, rows,

@@ -39,6 +39,7 @@ import statistics
 import time
 from pathlib import Path
 
+from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
 from vllm_tfm.benchmarks.step_phases import PHASES, install
 from vllm_tfm.options import (
     DFLASH_DRAFT_DEPTH,
@@ -359,7 +360,8 @@ def measure_cell(session: Session, steps: int) -> dict:
     before = sum(session.generated[r] for r in session.running)
     batch = len(session.running)
     llm.collective_rpc(_set_recording, args=(True,))
-    periods = [session.step() * 1e3 for _ in range(steps)]
+    with ClockSampler() as clocks:
+        periods = [session.step() * 1e3 for _ in range(steps)]
     llm.collective_rpc(_set_recording, args=(False,))
     rows = llm.collective_rpc(_collect)[0]
     tokens = sum(session.generated[r] for r in session.running) - before
@@ -373,6 +375,7 @@ def measure_cell(session: Session, steps: int) -> dict:
     if decode:
         cell["rest"] = cell["period_ms"] - sum(cell[name] for name in PHASES)
     cell["graphs"] = graph_dispatch(decode)
+    cell["clocks"] = clocks.summary
     return cell
 
 
@@ -637,8 +640,8 @@ def step_table(rows: list[dict]) -> str:
     lines = ["| context | batch | configuration | period ms | x plain step | drafting | "
              "target fwd | verify+commit | rest | tok/s paper tau 4 | x plain | x chain "
              "| tok/s paper tau 5 | x chain | tok/s ours | x plain | x chain "
-             "| graph dispatch (decode steps) |",
-             "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|"]
+             "| graph dispatch (decode steps) | SM MHz median / min / max, W |",
+             "|--:|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|---|"]
     for row in rows:
         lines.append(
             f"| {row['context']} | {batch_label(row)} | {label(row)} | {_f(row['period_ms'])} "
@@ -648,8 +651,17 @@ def step_table(rows: list[dict]) -> str:
             f"| {_f(row['x_chain paper-4'])} | {_f(row['tok_s paper-5'], '.1f')} "
             f"| {_f(row['x_chain paper-5'])} | {_f(row['tok_s ours'], '.1f')} "
             f"| {_f(row['x_plain ours'])} | {_f(row['x_chain ours'])} "
-            f"| {row.get('graphs') or '-'} |")
+            f"| {row.get('graphs') or '-'} | {clocks_label(row.get('clocks'))} |")
     return "\n".join(lines)
+
+
+def clocks_label(clocks: dict | None) -> str:
+    """The cell's SM clocks and power while it was timed (gpu_clocks), "-" unsampled."""
+    if not clocks:
+        return "-"
+    reasons = f", events {clocks['reasons']}" if clocks["reasons"] else ""
+    return (f"{clocks['sm_mhz']:.0f} / {clocks['min_sm_mhz']:.0f} / {clocks['max_sm_mhz']:.0f}, "
+            f"{clocks['power_w']:.0f} W{reasons}")
 
 
 def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: int) -> str:
