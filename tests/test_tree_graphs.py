@@ -60,14 +60,10 @@ def full_tree_step(gen, num_reqs: int, num_nodes: int, prefix_lens: list[int]):
 
 
 def fake_gdn_layer(gen) -> SimpleNamespace:
-    def rearrange_mixed_qkv(mixed):
-        q, k, v = mixed.split([H * K, H * K, HV * V], dim=-1)
-        return q, k, v
-
     return SimpleNamespace(
         prefix="model.layers.0.linear_attn", activation="silu", head_k_dim=K, head_v_dim=V,
+        key_dim=H * K, value_dim=HV * V, tp_size=1,
         conv1d=SimpleNamespace(bias=torch.randn(CHANNELS, generator=gen) * 0.1),
-        rearrange_mixed_qkv=rearrange_mixed_qkv,
         A_log=torch.randn(HV, generator=gen) * 0.5, dt_bias=torch.randn(HV, generator=gen),
     )
 
@@ -284,3 +280,23 @@ def test_full_decode_graphs_pin_the_default_budget_rule_only():
     chosen = TfmOptions(budget=64, tree="ddtree", budget_by_batch=((2, 64), (MAX_BATCH, 32)))
     assert budget_rule_for_graphs(chosen, full_decode_graphs=True) is chosen
     assert budget_for_batch(chosen.budget_table, 3) == 32
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_split_qkv_views_vllms_rearranged_qkv(gen, tp_size):
+    """The tree path's q / k / v views hold what vLLM's own ``rearrange_mixed_qkv`` copies
+    out (called on a stand-in layer: it reads only these sizes)."""
+    from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+        QwenGatedDeltaNetAttention,
+    )
+
+    from vllm_tfm.vllm_glue.gdn import split_qkv
+
+    layer = SimpleNamespace(key_dim=4 * 16, value_dim=8 * 32, tp_size=tp_size, head_k_dim=16,
+                            head_v_dim=32)
+    R, N = 3, 5
+    y = torch.randn(R, N, (2 * layer.key_dim + layer.value_dim) // tp_size, generator=gen)
+    want = QwenGatedDeltaNetAttention.rearrange_mixed_qkv(layer, y.reshape(R * N, -1))
+    for got, ref in zip(split_qkv(layer, y), want):
+        assert got.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()  # no copy
+        assert torch.equal(got, ref.reshape(got.shape))

@@ -189,11 +189,13 @@ def check_row(rows: list, failed: list, name: str, err: float, tol: float) -> No
 
 
 def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
-    """Inputs as the vLLM layer hands them over: pool stored [slots, HV, V, K], transposed view."""
+    """Inputs as the tree path hands them over: q / k / v views of the tree conv's output
+    (q | k | v columns, vllm_glue.gdn.split_qkv), the pool stored [slots, HV, V, K] and
+    seen transposed."""
     num_slots = num_slots or B + 3
-    q = torch.randn(B, N, H, K, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(B, N, H, K, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(B, N, HV, V, generator=gen).to(device=device, dtype=dtype)
+    fused = torch.randn(B, N, 2 * H * K + HV * V, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = fused.split([H * K, H * K, HV * V], dim=-1)
+    q, k, v = q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), v.unflatten(-1, (HV, V))
     g = (-torch.nn.functional.softplus(torch.randn(B, N, HV, generator=gen) - 1.0)).to(device)
     beta = torch.sigmoid(torch.randn(B, N, HV, generator=gen)).to(device=device, dtype=dtype)
     pool = (0.3 * torch.randn(num_slots, HV, V, K, generator=gen)).to(device).transpose(-1, -2)
@@ -333,12 +335,13 @@ def vllm_spec_kernel():
 
 def fla_chain_calls(chunk, sets):
     """fla's chunk kernel on each layer's inputs as one chain per request; fla takes the
-    states gathered and [B, HV, K, V]-contiguous, gathered outside the timing."""
+    states gathered and [B, HV, K, V]-contiguous and q / k / v contiguous (as vLLM's
+    ``rearrange_mixed_qkv`` hands them over), copied outside the timing."""
     states = [s[5][s[6].long()].contiguous() for s in sets]
+    inputs = [[t.contiguous() for t in s[:5]] for s in sets]
 
     def call(i):
-        q, k, v, g, beta = sets[i][:5]
-        return chunk(q, k, v, g, beta, initial_state=states[i], output_final_state=True,
+        return chunk(*inputs[i], initial_state=states[i], output_final_state=True,
                      use_qk_l2norm_in_kernel=True)
 
     return call
@@ -462,7 +465,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
               "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
     header += [f"{kernel}{part}" for kernel in args.kernels for part in ("", " err")]
     return table(
-        f"GDN tree, us per layer under CUDA graphs (H={H}, HV={HV}, K=V={K}, bf16 q/k/v, fp32 state "
+        f"GDN tree, us per layer under CUDA graphs (H={H}, HV={HV}, K=V={K}, bf16 q/k/v as views of one fused "
+        "conv output (the tree path's layout since stop 21), fp32 state "
         f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
         f"{fmt(bandwidth / 1e12, 2)} TB/s; per-node-state = fused_recurrent_gdn_tree writing every "
         "node's state; SM MHz: median SM clock while verify was timed (nvidia-smi); fla chain = "

@@ -36,11 +36,7 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     activation = "silu" if layer.activation in ("silu", "swish") else None
     y = tree_conv1d(x, conv_weight, layer.conv1d.bias, conv_state, slots, meta,
                     activation=activation)
-    R, N, _ = y.shape
-    query, key, value = layer.rearrange_mixed_qkv(y.reshape(R * N, -1))
-    query = query.reshape(R, N, -1, layer.head_k_dim)
-    key = key.reshape(R, N, -1, layer.head_k_dim)
-    value = value.reshape(R, N, -1, layer.head_v_dim)
+    query, key, value = split_qkv(layer, y)
     g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True)
@@ -49,6 +45,18 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
         meta=meta, verify_out=result, conv_inputs=x,
     )
     return nodes.real_nodes(result.o)
+
+
+def split_qkv(layer, y: torch.Tensor):
+    """q, k [R, N, H, K] and v [R, N, HV, V] of the conv output y [R, N, C] as views:
+    its columns hold this rank's q | k | v, as vLLM's ``rearrange_mixed_qkv`` splits them.
+    That method also copies each part contiguous (four launches per layer); the tree
+    kernels take any strides."""
+    key_dim = layer.key_dim // layer.tp_size
+    value_dim = layer.value_dim // layer.tp_size
+    query, key, value = y.split([key_dim, key_dim, value_dim], dim=-1)
+    return (query.unflatten(-1, (-1, layer.head_k_dim)), key.unflatten(-1, (-1, layer.head_k_dim)),
+            value.unflatten(-1, (-1, layer.head_v_dim)))
 
 
 def wrap_cpu_spec_forward(original):
