@@ -17,7 +17,13 @@ from triton_ops.traversal import sample_index, traversal_law, walk_choices
 from triton_ops.tree_metadata import build_tree_metadata
 from vllm_tfm.drafting.builders import build_sampled_tree
 from vllm_tfm.drafting.tree import DraftTree
-from vllm_tfm.drafting.verifiers import traversal_plan, walk_plan
+from vllm_tfm.benchmarks.launches import launches
+from vllm_tfm.drafting.verifiers import (
+    traversal_plan,
+    verify_target_only,
+    verify_traversal,
+    walk_plan,
+)
 
 F64 = torch.float64
 TOL = 1e-12
@@ -153,3 +159,17 @@ def test_bad_arguments_name_the_field():
         walk_choices(torch.zeros(R, N, K + 1, dtype=F64), children, index, 1)
     with pytest.raises(ValueError, match="backend must be one of"):
         walk_choices(torch.zeros(R, N, K + 1, dtype=F64), children, outside, 1, backend="cuda")
+
+
+def test_the_sampled_verifiers_launch_a_bounded_number_of_kernels(gen):
+    """Model runner V2 verifies outside its graphs, so each launch is host time every step.
+    At budget 64 the kernel paths launch ~140 (traversal) and ~95 (target-only), against
+    ~4.4k and ~380 for the PyTorch loops (BENCHMARKS.md, "Sampled verifiers' launches");
+    these bounds catch a loop that creeps back. (validate=False, as the engine calls them.)"""
+    tree = sampled_trees(gen, 1, 64, 15, 512, 4096)
+    plain = dataclasses.replace(tree, pool_ids=None, proposal_logq=None)
+    probs = target_law(gen, 1, tree.max_nodes, 4096, "smooth")
+    seeds = torch.tensor([7])
+    assert launches(lambda: verify_traversal(tree, probs, seeds, False, "triton")) <= 160
+    assert launches(lambda: verify_target_only(plain, probs, seeds, False, "triton")) <= 110
+    assert launches(lambda: verify_traversal(tree, probs, seeds, False, "torch")) > 1000

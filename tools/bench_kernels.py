@@ -41,7 +41,6 @@ from pathlib import Path
 import dataclasses
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
@@ -61,6 +60,7 @@ from triton_ops.tree_attention import (
 from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
+from vllm_tfm.benchmarks.launches import launches
 from vllm_tfm.drafting.builders import build_sampled_tree
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.drafting.verifiers import (
@@ -965,52 +965,6 @@ def sampled_tree_batch(gen, B, budget, depth, pool, vocab, device) -> DraftTree:
     return dataclasses.replace(tree, **{f.name: getattr(tree, f.name).to(device)
                                         for f in dataclasses.fields(tree)
                                         if isinstance(getattr(tree, f.name), torch.Tensor)})
-
-
-class LaunchCount(TorchDispatchMode):
-    """Calls that launch work: aten calls that are not views (about one kernel each on a
-    GPU) plus Triton kernel launches; what the interpreter runs inside a launch on CPU is
-    not counted."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = 0
-        self.paused = False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and not any(ret.alias_info for ret in func._schema.returns):
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        from triton.runtime.interpreter import InterpretedFunction
-        from triton.runtime.jit import JITFunction
-
-        self.patched = [(cls, cls.run) for cls in (JITFunction, InterpretedFunction)]
-        for cls, run in self.patched:
-            cls.run = self.counted(run)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for cls, run in self.patched:
-            cls.run = run
-        return super().__exit__(*exc)
-
-    def counted(self, run):
-        def launch(*args, **kwargs):
-            self.paused = True
-            try:
-                return run(*args, **kwargs)
-            finally:
-                self.paused = False
-                self.calls += not kwargs.get("warmup", False)
-        return launch
-
-
-def launches(fn) -> int:
-    with LaunchCount() as count:
-        fn()
-    return count.calls
 
 
 def verify_table(device, args) -> list[str]:
