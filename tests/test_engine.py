@@ -232,11 +232,26 @@ def _sample_sequences(llm, count: int, max_tokens: int) -> Counter:
     return Counter(tuple(output.outputs[0].token_ids) for output in outputs)
 
 
+def use_the_verifier_kernels(monkeypatch) -> None:
+    """The sampled verifiers' Triton kernels and random-number kernel (interpreted) inside
+    the CPU engine, where "auto" would take their PyTorch paths: as CUDA runs them."""
+    import triton_ops.counter_random as counter_random
+    import triton_ops.traversal.traversal as traversal
+
+    for module in (traversal, counter_random):
+        monkeypatch.setattr(module, "use_triton", lambda backend, like: backend != "torch")
+
+
 @pytest.mark.parametrize("verify", ["auto", "target_only"])
-def test_sampling_matches_the_target_distribution(family, verify, monkeypatch):
+@pytest.mark.parametrize("kernels", [False, True])
+def test_sampling_matches_the_target_distribution(family, verify, kernels, monkeypatch):
     """T = 1: "auto" drafts Weaver trees whose children are sampled and verifies them by
-    traversal; "target_only" drafts deterministic trees."""
+    traversal; "target_only" drafts deterministic trees. ``kernels``: the verifiers run
+    their Triton kernels (triton_ops.traversal, triton_ops.counter_random)."""
     from vllm_tfm.vllm_glue import proposer
+
+    if kernels:
+        use_the_verifier_kernels(monkeypatch)
 
     sampled_builds = []
     build = proposer.draft_trees_per_request
@@ -246,7 +261,8 @@ def test_sampling_matches_the_target_distribution(family, verify, monkeypatch):
         return build(*args, sampled=sampled, **kwargs)
 
     monkeypatch.setattr(proposer, "draft_trees_per_request", record)
-    count, max_tokens = 300, 3
+    # The interpreted kernels take ~1 s a verification: fewer sequences there.
+    count, max_tokens = (100 if kernels else 300), 3
     llm = make_llm(family, None, max_num_seqs=64)
     reference = _sample_sequences(llm, count, max_tokens)
     del llm  # before the next engine starts: its teardown resets global state
