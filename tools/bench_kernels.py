@@ -971,7 +971,7 @@ def verify_table(device, args) -> list[str]:
     """Per batch: both backends' plans agree (float64), their walks match, then eager time
     per call of each verifier on a budget-64 tree (sampled: traversal; the same tree as a
     deterministic one: target-only), greedy for scale."""
-    vocab, depth, pool, budget = (4096, 15, 512, 64) if args.smoke else (248320, 15, 512, 64)
+    vocab, depth, pool, budget = 4096 if args.smoke else 248320, 15, 512, 64
     gen = torch.Generator().manual_seed(31)
     rows = []
     for B in ((1, 2) if args.smoke else (1, 8, 32)):
@@ -1002,7 +1002,7 @@ def verify_table(device, args) -> list[str]:
                      "yes" if same_walk else "NO"])
     return table(f"sampled verifiers, eager us per call (launches) (vocabulary {vocab}, sampled trees "
                  f"of {budget} drafted nodes from {pool}-id pools; target-only on the same trees as "
-                 "deterministic ones; launches: non-view torch calls + Triton launches); plan error: "
+                 "deterministic ones; launches: vllm_tfm/benchmarks/launches.py); plan error: "
                  "max |PyTorch - kernels| over the traversal plan",
                  ["B", "N", "traversal torch", "traversal kernels", "target-only torch",
                   "target-only kernels", "greedy", "plan error", "walks equal"], rows)

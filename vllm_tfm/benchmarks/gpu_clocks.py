@@ -9,6 +9,7 @@ measured process nothing; where ``nvidia-smi`` is absent it reports nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -55,6 +56,23 @@ def summarize(samples: list[dict]) -> dict | None:
     }
 
 
+@functools.lru_cache(maxsize=None)
+def _answered_query(command: str, gpu: str) -> list[str] | None:
+    """The nvidia-smi query of the first field set this driver answers (older ones lack
+    the event reasons), probed once per process and GPU; None without nvidia-smi."""
+    executable = shutil.which(command)
+    if executable is None:
+        return None
+    for reason in (*REASON_FIELDS, None):
+        query = [executable, "-i", gpu,
+                 "--query-gpu=" + ",".join(FIELDS + ((reason,) if reason else ())),
+                 "--format=csv,noheader,nounits"]
+        probe = subprocess.run(query, capture_output=True, text=True)
+        if probe.returncode == 0 and parse_sample(probe.stdout):
+            return query
+    return None
+
+
 def visible_gpu() -> str:
     """nvidia-smi's ``-i`` for CUDA device 0 of this process: the first entry of
     CUDA_VISIBLE_DEVICES (an index or a UUID), else "0"."""
@@ -75,18 +93,8 @@ class ClockSampler:
         self._reader = None
 
     def __enter__(self) -> ClockSampler:
-        executable = shutil.which(self.command)
-        if executable is None:
-            return self
-        # The first field set this driver answers (older ones lack the event reasons).
-        for reason in (*REASON_FIELDS, None):
-            query = [executable, "-i", self.gpu,
-                     "--query-gpu=" + ",".join(FIELDS + ((reason,) if reason else ())),
-                     "--format=csv,noheader,nounits"]
-            probe = subprocess.run(query, capture_output=True, text=True)
-            if probe.returncode == 0 and parse_sample(probe.stdout):
-                break
-        else:
+        query = _answered_query(self.command, self.gpu)
+        if query is None:
             return self
         self._process = subprocess.Popen([*query, f"--loop-ms={SAMPLE_MS}"],
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
