@@ -4,6 +4,7 @@ timing is asserted)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,20 @@ def test_settings_measure_each_budget_once_and_the_chain_once():
     rule = speed.tfm_settings(("weaver", "ddtree"), (16, 64), rule_only=True)
     assert rule == [("weaver", None)]
     assert speed.engine_budgets(rule, (16, 64), "v2") == [(64, True, [("weaver", None)])]
+
+
+@pytest.mark.parametrize("compilation, mode", [("none", 0), ("inductor", None)])
+def test_cuda_engines_capture_full_decode_graphs_with_or_without_torch_compile(compilation,
+                                                                            mode):
+    shapes = dataclasses.replace(speed.SHAPES["qwen3.6-27b"], batches=(1, 8),
+                                 contexts=(1024,), compilation=compilation)
+    kwargs = speed.engine_kwargs(shapes, "v2", query_lens=(65,))
+    config = kwargs["compilation_config"]
+    assert not kwargs["enforce_eager"] and config["cudagraph_mode"] == "FULL_DECODE_ONLY"
+    assert config.get("mode") == mode  # None: vLLM's default, torch.compile
+    assert config["custom_ops"] == ["none"]  # Inductor fuses the native ops
+    # every batch at one token, at the drafter's block and at the tree's query length
+    assert config["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 520]
 
 
 def test_stated_tau_by_regime():

@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float,
                         help="every request's temperature (default 0, greedy; above 0 each "
                              "request is seeded)")
+    parser.add_argument("--compilation", choices=("none", "inductor"),
+                        help="CUDA engines: mode 0 (default; every small op its own torch "
+                             "kernel) or vLLM's default torch.compile (Inductor fuses norms, "
+                             "activations and rotary, as a user's engine does)")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--profile", action="store_true",
                         help="also profile each engine's first cell at each batch size (host "
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
     if args.temperature is not None:
         narrowed["temperature"] = args.temperature
+    if args.compilation:
+        narrowed["compilation"] = args.compilation
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
                args.work, args.deadline_s, args.profile, args.rule_only,

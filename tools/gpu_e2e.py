@@ -2,7 +2,8 @@
 
     python tools/gpu_e2e.py build DIR                 # models; any machine (CPU is fine)
     python tools/gpu_e2e.py run --models DIR --out OUT [--max-tokens 48] [--deadline-s 330]
-                                [--cudagraphs off|full-decode|default] [--runner v1|v2]
+                                [--cudagraphs off|full-decode|compiled-full-decode|default]
+                                [--runner v1|v2]
 
 On the lent H200 (device call carrying [".gpu-vllm", DIR], payload from
 `VLLM_VERSION=0.33.0 bash tools/gpu_vllm/build_payload.sh .gpu-vllm`, or 0.32.0; the whole
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
                           "(no speculation always runs: it is the reference)")
     run.add_argument("--cudagraphs", choices=sorted(CUDA_GRAPH_SETTINGS), default="off",
                      help="off: enforce_eager; full-decode: mode 0 + FULL_DECODE_ONLY; "
+                          "compiled-full-decode: torch.compile + FULL_DECODE_ONLY; "
                           "default: vLLM's default compilation and graphs")
     run.add_argument("--runner", choices=RUNNERS, default="v1",
                      help="the model runner every configuration runs on (v2: dflash_tfm "

@@ -81,6 +81,9 @@ class Shapes:
     # Every request's sampling temperature (0: greedy; above 0 seeded per request, so
     # dflash_tfm's sampled trees and traversal verification are in the step times).
     temperature: float = 0.0
+    # The CUDA engines' compilation: "none" (mode 0) or "inductor" (vLLM's default
+    # torch.compile), both with FULL decode graphs (gpu_checks.CUDA_GRAPH_SETTINGS).
+    compilation: str = "none"
 
     def batches_at(self, context: int) -> tuple[int, ...]:
         if context == min(self.contexts) or self.long_batches is None:
@@ -96,6 +99,9 @@ SHAPES = {
                           (16, 32, 64, MAX_BUDGET), 6, 40 << 30),
     "tiny": Shapes("tiny", (32, 64), (1, 2), (4, 8), 2, 64 << 20),
 }
+
+GRAPH_SETTING = {"none": "full-decode", "inductor": "compiled-full-decode"}
+COMPILATION_NOTE = {"none": "mode 0", "inductor": "torch.compile (Inductor)"}
 
 
 def tfm_settings(trees: tuple[str, ...], budgets: tuple[int, ...],
@@ -203,7 +209,7 @@ def engine_kwargs(shapes: Shapes, runner: str,
         return {**CPU_ENGINE_KWARGS, **common}
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
-    graphs = CUDA_GRAPH_SETTINGS["full-decode"]
+    graphs = CUDA_GRAPH_SETTINGS[GRAPH_SETTING[shapes.compilation]]
     lens = (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens)
     sizes = sorted({b * m for b in batches for m in lens})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
@@ -768,7 +774,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     rule_note = ("the rule's own engine, vLLM's batch-size schedule, every k graphed"
                  if runner == "v2" else "the rule's smaller trees eager")
     graphs = ("eager" if shapes.name == "tiny"
-              else "mode 0 + FULL_DECODE_ONLY graphs (tree steps of full trees graphed, "
+              else f"{COMPILATION_NOTE[shapes.compilation]} + FULL_DECODE_ONLY graphs "
+                   "(tree steps of full trees graphed, "
                    f"one dflash_tfm engine per budget; {rule_note})")
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "

@@ -60,13 +60,19 @@ ENGINE_KWARGS = dict(
 
 # Compilation settings by --cudagraphs. "default" is vLLM's own (torch.compile, FULL and
 # PIECEWISE graphs), minus the harness's need for pure-torch custom ops; "full-decode" is
-# the cheapest graphed setting the harness runs (no torch.compile, full decode graphs).
+# the cheapest graphed setting the harness runs (no torch.compile, full decode graphs);
+# "compiled-full-decode" adds vLLM's default torch.compile, whose Inductor kernels fuse the
+# norms, activations and rotary that the harness otherwise runs as several torch kernels
+# each (it has no compiled vLLM ops): the step a user's vLLM build runs.
 # Captures up to 1024 tokens (vLLM's default stops at 512): 8 prompts of a budget-64 tree
 # are 520 tokens a step, which must replay a FULL graph too.
 CUDA_GRAPH_SETTINGS = {
     "off": {},
     "full-decode": dict(enforce_eager=False, compilation_config={
         "mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
+        "max_cudagraph_capture_size": 1024}),
+    "compiled-full-decode": dict(enforce_eager=False, compilation_config={
+        "cudagraph_mode": "FULL_DECODE_ONLY", "custom_ops": ["none"],
         "max_cudagraph_capture_size": 1024}),
     "default": dict(enforce_eager=False, compilation_config={
         "custom_ops": ["none"], "max_cudagraph_capture_size": 1024}),
