@@ -4,12 +4,13 @@ timing is asserted)."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 
 import pytest
 
-from vllm_tfm.benchmarks import speed
+from vllm_tfm.benchmarks import speed, step_phases
 from vllm_tfm.benchmarks.speed import PLAIN, TFM, VLLM_DFLASH
 
 
@@ -139,6 +140,7 @@ def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
                              for engine in ("plain", "vllm_dflash_15", "dflash_tfm_k_8")}
     assert "propose" in profiles["profile_dflash_tfm_k_8_B2.txt"]
     assert all("torch profiler, 2 steps" in text for text in profiles.values())
+    assert all("kernels by phase, per step" in text for text in profiles.values())
     saved = json.loads((tmp_path / "bench_speed.json").read_text())
     by_method = {r["method"]: r for r in saved["results"]}
     assert [(c["batch"], c["tree"], c["budget"]) for c in by_method[TFM]["cells"]] == [
@@ -224,6 +226,36 @@ def test_phase_timer_splits_recorded_steps_and_tells_decode_steps_apart():
         assert all(row[name] >= 0 for name in PHASES)
         assert sum(row[name] for name in PHASES) <= row["step_ms"]
     assert runner.calls.count("forward") == 3 and runner.calls[-1] == "draft"
+
+
+def test_kernels_count_under_the_phase_whose_range_launched_them():
+    """A kernel belongs to the nearest enclosing phase range (a graph replay's kernels hang
+    on the replay, inside the range); kernels outside every range are the rest."""
+    Kernel = collections.namedtuple("Kernel", "name duration")
+
+    class Event:
+        def __init__(self, name, parent=None, kernels=()):
+            self.name, self.cpu_parent, self.kernels = name, parent, list(kernels)
+
+    step = Event("execute_model")
+    drafting = Event(step_phases.PHASE_RANGE + "drafting", step)
+    replay = Event("cudaGraphLaunch", drafting,
+                   [Kernel("_weaver_kernel", 30.0), Kernel("_weaver_kernel", 10.0)])
+    forward = Event(step_phases.PHASE_RANGE + "target forward", step,
+                    [Kernel("void at::native::vectorized_elementwise_kernel<4, "
+                            "at::native::CUDAFunctor_add<c10::BFloat16> >(int)", 6.0)])
+    prepare = Event("aten::copy_", step, [Kernel("copy", 2.0)])
+    table = step_phases.kernels_by_phase([step, drafting, replay, forward, prepare], steps=2)
+    lines = table.splitlines()
+    assert lines[0] == "kernels by phase, per step (device us, launches) over 2 steps:"
+    at = lines.index("  drafting: 20.0 us in 1.0 launches")
+    assert lines[at + 1].split() == ["20.0", "1.0", "_weaver_kernel"]
+    at = lines.index("  target forward: 3.0 us in 0.5 launches")
+    assert lines[at + 1].split() == ["3.0", "0.5",
+                                     "vectorized_elementwise_kernel<4,", "CUDAFunctor_add<BFloat16>", ">"]
+    assert "  verify + commit: 0.0 us in 0.0 launches" in lines
+    at = lines.index("  rest: 1.0 us in 0.5 launches")
+    assert lines[at + 1].split() == ["1.0", "0.5", "copy"]
 
 
 def test_phase_timer_refuses_an_unknown_runner():

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
-from vllm_tfm.benchmarks.step_phases import PHASES, install
+from vllm_tfm.benchmarks.step_phases import PHASES, install, kernels_by_phase
 from vllm_tfm.options import (
     DFLASH_DRAFT_DEPTH,
     MAX_BATCH,
@@ -397,7 +397,8 @@ def graph_dispatch(steps: list[dict]) -> str | None:
 def profile_cell(session: Session, steps: int, path: Path) -> None:
     """``steps`` engine steps under cProfile (where the host's time goes, by function), then
     as many under torch's profiler (kernels: device time against the steps' wall time, which
-    says how host-bound a step is); both tables to ``path``."""
+    says how host-bound a step is; and by the phase that launched them); the tables to
+    ``path``."""
     import cProfile
     import io
     import pstats
@@ -416,14 +417,18 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     stats.sort_stats("tottime").print_stats(40)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
+    session.llm.collective_rpc(_set_recording, args=(True,))  # the phases' profiler ranges
     with profile(activities=activities) as trace:
         wall = sum(session.step() for _ in range(steps)) * 1e3
+    session.llm.collective_rpc(_set_recording, args=(False,))
+    session.llm.collective_rpc(_collect)  # these steps' marks belong to no measured cell
     events = trace.key_averages()
     device_ms = sum(event.self_device_time_total for event in events) / 1e3
     text.write(f"\ntorch profiler, {steps} steps: wall {wall:.2f} ms, device (sum of kernel "
                f"self times) {device_ms:.2f} ms\n")
     for key in ("self_device_time_total", "self_cpu_time_total"):
         text.write(events.table(sort_by=key, row_limit=40) + "\n")
+    text.write(kernels_by_phase(trace.events(), steps) + "\n")
     path.write_text(text.getvalue())
 
 

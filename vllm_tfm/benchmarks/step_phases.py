@@ -25,11 +25,15 @@ managers), so that a step time measured without its graphs says so.
 from __future__ import annotations
 
 import functools
+import re
 import time
 
 import torch
 
 PHASES = ("drafting", "target forward", "verify + commit")
+# Each phase call is also a profiler range of this prefix and the phase's name, so that a
+# profile can tell which phase launched each kernel (``kernels_by_phase``).
+PHASE_RANGE = "phase: "
 
 # Runner attributes (a dotted path from the runner) whose calls make up each phase, by
 # model runner: V1 is vllm/v1/worker/gpu_model_runner.py; V2 (vllm/v1/worker/gpu/
@@ -95,7 +99,8 @@ class PhaseTimer:
             return call(*args, **kwargs)
         start = self._mark()
         try:
-            return call(*args, **kwargs)
+            with torch.profiler.record_function(PHASE_RANGE + name):
+                return call(*args, **kwargs)
         finally:
             step["phases"].append((name, start, self._mark()))
 
@@ -121,6 +126,45 @@ class PhaseTimer:
                 row[name] += self._elapsed_ms(start, end)
             rows.append(row)
         return rows
+
+
+def kernels_by_phase(events, steps: int, top: int = 12) -> str:
+    """A table of the profiled kernels by the phase that launched them (``events``: a torch
+    profiler's ``events()`` over ``steps`` recorded steps): per phase its kernels' device
+    time per step, then its ``top`` kernels by time, with launches per step. The profiler
+    ties a kernel to the host call that launched it, a CUDA-graph replay's kernels to the
+    replay, so a graphed phase's kernels count under it; kernels outside every phase range
+    (input preparation, graph-less glue) are the rest."""
+    by_phase: dict[str, dict[str, list[float]]] = {name: {} for name in (*PHASES, "rest")}
+    for event in events:
+        phase = "rest"
+        ancestor = event
+        while ancestor is not None:
+            if ancestor.name.startswith(PHASE_RANGE):
+                phase = ancestor.name[len(PHASE_RANGE):]
+                break
+            ancestor = ancestor.cpu_parent
+        for kernel in event.kernels:
+            time_and_count = by_phase[phase].setdefault(kernel.name, [0.0, 0])
+            time_and_count[0] += kernel.duration
+            time_and_count[1] += 1
+    lines = [f"kernels by phase, per step (device us, launches) over {steps} steps:"]
+    for phase, kernels in by_phase.items():
+        total = sum(time for time, _ in kernels.values())
+        launches = sum(count for _, count in kernels.values())
+        lines.append(f"  {phase}: {total / steps:.1f} us in {launches / steps:.1f} launches")
+        ranked = sorted(kernels.items(), key=lambda item: -item[1][0])[:top]
+        lines += [f"    {time / steps:9.1f} {count / steps:6.1f}  {_short_kernel_name(name)}"
+                  for name, (time, count) in ranked]
+    return "\n".join(lines)
+
+
+def _short_kernel_name(name: str, width: int = 110) -> str:
+    """A kernel name without its namespaces and argument list (torch's elementwise kernels
+    differ only in their functor, which is kept), cut to ``width``."""
+    short = re.sub(r"^void |at::native::|\(anonymous namespace\)::|std::|c10::", "", name)
+    short = short.split(">(")[0] + ">" if ">(" in short else short
+    return short if len(short) <= width else short[:width - 3] + "..."
 
 
 def _owner(runner, path: str):
