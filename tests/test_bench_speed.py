@@ -286,7 +286,7 @@ class _FakeV2Runner:
         self.cudagraph_manager = _FakeGraphManager("FULL")
         draft_graphs = {16: _FakeGraphManager(draft_mode), 64: _FakeGraphManager(draft_mode)}
         self.speculator = SimpleNamespace(
-            draft_graphs=draft_graphs, query_cudagraph_manager=draft_graphs[64],
+            all_draft_graphs=list(draft_graphs.values()), query_cudagraph_manager=draft_graphs[64],
             propose=lambda: self.speculator.query_cudagraph_manager.dispatch(16))
 
     def execute_model(self, scheduler_output):

@@ -51,7 +51,7 @@ from vllm_tfm.vllm_glue.config import BATCH_SCHEDULE_KEY, batch_size_budgets
 from vllm_tfm.vllm_glue.tree_graphs import graphable
 from vllm_tfm.vllm_glue.v2 import model_state
 from vllm_tfm.vllm_glue.v2.model_state import TreeModelState, graphed_steps_by_length
-from vllm_tfm.vllm_glue.v2.speculator import round_budgets
+from vllm_tfm.vllm_glue.v2.speculator import RoundMode, round_budgets
 from vllm_tfm.vllm_glue.v2.trees import (
     SlotTrees,
     apply_tree_positions,
@@ -275,17 +275,17 @@ def test_the_capture_records_the_round_of_each_k_in_its_own_graphs(gen, vllm_pro
     def capture(self):  # DFlashCudaGraphManager.capture per size: warm-up, then capture
         for rows in (6, 6, 2, 2):
             self._generate_draft(rows, rows * BLOCK, None, None, None)
-        captured.append((self.round_budget, self.round_sampling, self.query_cudagraph_manager,
+        captured.append((self.round_budget, self.round_mode, self.query_cudagraph_manager,
                          int(self.engine.trees.gather(spare).num_nodes[0])))
 
     monkeypatch.setattr(DFlashSpeculator, "capture", capture)
     spec.capture()
-    # Deterministic rounds, then the sampling rounds (verify "auto" draws sampled DDTrees).
-    assert [(k, sampling, manager) for k, sampling, manager, _ in captured] == [
-        (k, False, spec.draft_graphs[k]) for k in ROUND_BUDGETS] + [
-        (k, True, spec.sampling_draft_graphs[k]) for k in ROUND_BUDGETS]
-    assert [nodes <= 1 + k for k, _, _, nodes in captured] == [True] * 2 * len(ROUND_BUDGETS)
-    assert not spec.round_sampling
+    # Deterministic rounds, then the sampled and the mixed ones (verify "auto" draws sampled
+    # DDTrees).
+    assert [(k, mode, manager) for k, mode, manager, _ in captured] == [
+        (k, mode, spec.round_graphs(mode)[k]) for mode in RoundMode for k in ROUND_BUDGETS]
+    assert [nodes <= 1 + k for k, _, _, nodes in captured] == [True] * 3 * len(ROUND_BUDGETS)
+    assert spec.round_mode is RoundMode.DETERMINISTIC
     _same_tree(spec.engine.trees.gather(every_slot), before)  # only the spare slot
     assert spec.round_budget == ROUND_BUDGET and spec.query_cudagraph_manager is \
         spec.draft_graphs[ROUND_BUDGET]
@@ -528,13 +528,13 @@ def test_vllms_memory_profiling_drops_every_draft_graph_manager(gen, draft_graph
     spec = _speculator("ddtree", gen, ROUND_BUDGETS)
     spec.init_cudagraph_manager("FULL")
     count = len(ROUND_BUDGETS)
-    assert len(spec.draft_graphs) == len(spec.sampling_draft_graphs) == count
+    modes = list(RoundMode)
+    assert [len(spec.round_graphs(mode)) for mode in modes] == [count] * 3
     # What profile_cudagraph_memory does after profiling: every manager attribute to None.
     for name, value in list(vars(spec).items()):
         if isinstance(value, CudaGraphManager):
             setattr(spec, name, None)
-    assert spec.draft_graphs == spec.sampling_draft_graphs == {}
+    assert spec.all_draft_graphs == []
     spec.init_cudagraph_manager("FULL")  # the real initialize_kv_cache makes them anew
-    made = [id(m) for m in draft_graph_managers[2 * count:]]
-    assert [id(m) for m in spec.draft_graphs.values()] == made[:count]
-    assert [id(m) for m in spec.sampling_draft_graphs.values()] == made[count:]
+    made = [id(m) for m in draft_graph_managers[3 * count:]]
+    assert [id(m) for mode in modes for m in spec.round_graphs(mode).values()] == made

@@ -28,7 +28,8 @@ from test_verifiers import ContextLaw, assert_sampled_trees_lossless, target_pro
 
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 from vllm_tfm.drafting.verifiers import verify_traversal
-from vllm_tfm.vllm_glue.v2.verify import verify_batch
+from vllm_tfm.vllm_glue.v2.speculator import RoundMode
+from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
 
 
 def _fixed_drafter(spec, monkeypatch, gen) -> SimpleNamespace:
@@ -110,30 +111,58 @@ def test_v2_sampled_trees_and_their_verifier_are_lossless(tree_kind, kind, gen, 
     assert torch.equal(picked.accepted_leaf, expected.accepted_leaf)
 
 
-def test_greedy_batches_keep_the_deterministic_round_and_its_graphs(
-        gen, vllm_propose, draft_graph_managers, replayed_graphs, monkeypatch):  # noqa: F811
-    spec = _speculator("ddtree", gen)  # verify "auto": sampled DDTrees at any T > 0
+@pytest.mark.parametrize("tree_kind", ["ddtree", "weaver"])
+def test_each_batch_runs_the_round_of_its_mode_in_that_rounds_graphs(
+        tree_kind, gen, vllm_propose, draft_graph_managers, replayed_graphs,  # noqa: F811
+        monkeypatch):
+    """A greedy batch keeps the deterministic round, an all-sampled batch the sampled round
+    (no deterministic trees grown), a mixed batch the mixed round; a request's tree is the
+    same in the mixed round as in the round of its own kind."""
+    spec = _speculator(tree_kind, gen)  # verify "auto": sampled trees at T > 0
+    weaver = spec.weaver
     spec.init_cudagraph_manager("FULL")
     drafter = _fixed_drafter(spec, monkeypatch, gen)
     slots, roots = [4, 1, 3], torch.tensor([7, 8, 9])
-    seeds = torch.arange(MAX_REQS, dtype=torch.int64)
-    greedy = torch.zeros(MAX_REQS)
-    one_hot = greedy.clone()
+    hidden = torch.randn(3, WIDTH, generator=gen)
+    seeds = torch.arange(MAX_REQS, dtype=torch.int64) * 7919 + 5
+    greedy, one_hot, hot = torch.zeros(MAX_REQS), torch.zeros(MAX_REQS), torch.zeros(MAX_REQS)
     one_hot[1] = 1.0
-    for temperature, sampling in ((greedy, False), (one_hot, True), (greedy, False)):
+    hot[slots] = 1.0
+    built = {}
+    monkeypatch.setattr("vllm_tfm.vllm_glue.v2.speculator.draft_trees",
+                        _recording(draft_trees, built, "draft_trees"))
+    for temperature, mode in ((greedy, RoundMode.DETERMINISTIC), (one_hot, RoundMode.MIXED),
+                              (hot, RoundMode.SAMPLED), (greedy, RoundMode.DETERMINISTIC)):
         drafter.rows[:] = ["a", "b", "c"]
         vllm_propose[0] = 4
-        _propose(spec, _rows_batch(slots, [30, 40, 50]), roots, temperature, seeds)
-        graphs = spec.sampling_draft_graphs if sampling else spec.draft_graphs
-        assert replayed_graphs[-1] is graphs[BUDGET] and spec.round_sampling == sampling
+        built.clear()
+        _propose(spec, _rows_batch(slots, [30, 40, 50]), roots, temperature, seeds, hidden)
+        assert spec.round_mode is mode and replayed_graphs[-1] is spec.round_graphs(mode)[BUDGET]
+        # the sampled round grows the sampled trees alone (the mixed one calls draft_trees
+        # twice, inside draft_trees_by_mask)
+        assert built.get("draft_trees", 0) == (0 if mode is RoundMode.MIXED else 1)
+        sampled = (temperature[slots] > 0).tolist()
+        assert spec.engine.trees.sampled_rows(np.array(slots)).tolist() == sampled
+        stored = spec.engine.trees.gather(torch.tensor(slots), draws=True)
         states = torch.stack([drafter.blocks[r][1:] for r in drafter.rows])
         pools = candidate_pools(spec.model.compute_logits(states), spec.options.candidate_pool)
-        plain = draft_trees("ddtree", roots, pools, BUDGET)
-        stored = spec.engine.trees.gather(torch.tensor(slots))
-        greedy_rows = torch.tensor([0, 2]) if sampling else torch.arange(3)
-        _same_tree(stored.select(greedy_rows), plain.select(greedy_rows))
-        assert spec.engine.trees.sampled_rows(np.array(slots)).tolist() == [
-            False, sampling, False]
+        options = dict(weaver=weaver, h_v=hidden if weaver is not None else None,
+                       dflash_hidden=states, fanout=spec.options.fanout,
+                       expand_width=spec.options.expand_width_for(BUDGET))
+        plain = draft_trees(tree_kind, roots, pools, BUDGET, **options)
+        drawn = draft_trees(tree_kind, roots, pools, BUDGET, fixed_widths=True,
+                            sample_seeds=step_seeds(seeds[slots], torch.tensor([30, 40, 50])),
+                            **options)
+        for row, is_sampled in enumerate(sampled):
+            one = torch.tensor([row])
+            _same_tree(stored.select(one), (drawn if is_sampled else plain).select(one))
+
+
+def _recording(function, counts: dict, name: str):
+    def recorded(*args, **kwargs):
+        counts[name] = counts.get(name, 0) + 1
+        return function(*args, **kwargs)
+    return recorded
 
 
 @pytest.mark.parametrize("tree_kind", ["weaver", "ddtree"])

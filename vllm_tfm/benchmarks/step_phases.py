@@ -177,12 +177,11 @@ def _owner(runner, path: str):
 
 def graph_managers(runner) -> dict[str, list]:
     """Model runner V2's CUDA-graph managers by role: the runner's own for the target, the
-    speculator's for the drafter (dflash_tfm's TreeSpeculator holds one per k it drafts, and
-    one more per k for its sampling rounds)."""
+    speculator's for the drafter (dflash_tfm's TreeSpeculator holds one per k it drafts and
+    round mode)."""
     speculator = getattr(runner, "speculator", None)
     drafting = [getattr(speculator, "query_cudagraph_manager", None),
-                *getattr(speculator, "draft_graphs", {}).values(),
-                *getattr(speculator, "sampling_draft_graphs", {}).values()]
+                *getattr(speculator, "all_draft_graphs", ())]
     by_role = {"target": [runner.cudagraph_manager], "drafting": drafting}
     return {role: list({id(m): m for m in managers if m is not None}.values())
             for role, managers in by_role.items()}

@@ -24,13 +24,16 @@ pools and DFlash states are made in the graph. A replay computes trees for the p
 too (every op of a round is per request): their slot index is a spare slot past the
 requests', so they land there.
 
-Sampled trees (``verify`` "auto" / "traversal", ``verify.sampled_tree_rows``): a batch
-holding a request that wants one runs a sampling round, which grows both tree kinds for
-every row and keeps, row by row on the device, the sampled tree where ``round_sampled``
-marks the row (``draft_trees_by_mask``); it is captured in a second set of draft graphs
-per k, so a batch with no such request keeps the deterministic round and its cost. The
-host knows which rows want one from V2's per-slot temperatures (``TreeEngine.temperature``)
-and records it per slot for the verifier (``SlotTrees.sampled``). A row's draws are seeded
+Sampled trees (``verify`` "auto" / "traversal", ``verify.sampled_tree_rows``): the host
+knows which rows want one from V2's per-slot temperatures (``TreeEngine.temperature``)
+and records it per slot for the verifier (``SlotTrees.sampled``). Each step runs one of
+three rounds (``RoundMode``), each captured in its own set of draft graphs per k: a batch
+with no such request the deterministic round; a batch of only such requests (every
+request sampled, the common case at T > 0) the sampled round, which grows sampled trees
+alone; a mixed batch the mixed round, which grows both tree kinds for every row and keeps,
+row by row on the device, the sampled tree where ``round_sampled`` marks the row
+(``draft_trees_by_mask``). So neither a greedy nor an all-sampled batch pays for the
+other kind's round. A row's draws are seeded
 by its request's seed and the position of the tree's root (``_draw_seeds``), as its
 verification is (``v2/verify.py::step_seeds``): a seeded request reproduces.
 
@@ -51,6 +54,7 @@ its rows (``TreeStep.context_order``): vLLM's DFlash reads the first
 from __future__ import annotations
 
 import copy
+import enum
 
 import numpy as np
 import torch
@@ -74,10 +78,26 @@ from vllm_tfm.vllm_glue.v2.verify import step_seeds
 from vllm_tfm.vllm_glue.verify import draws_sampled_trees, sampled_tree_rows
 
 
-def _graphs_attribute(budget: int, sampling: bool) -> str:
-    """The speculator attribute holding the draft graph manager of round budget
-    ``budget``, of deterministic or of sampling rounds."""
-    return f"{'sampling_' if sampling else ''}draft_graphs_k{budget}"
+class RoundMode(enum.Enum):
+    """Which trees a draft round grows (each mode's round is captured in graphs of its
+    own): deterministic trees only, sampled trees only, or both and a choice per row."""
+
+    DETERMINISTIC = "deterministic"
+    SAMPLED = "sampled"
+    MIXED = "mixed"
+
+
+def round_mode(sampled: np.ndarray) -> RoundMode:
+    """The round of a batch whose rows want a sampled tree where ``sampled`` [R] says."""
+    if not sampled.any():
+        return RoundMode.DETERMINISTIC
+    return RoundMode.SAMPLED if sampled.all() else RoundMode.MIXED
+
+
+def _graphs_attribute(budget: int, mode: RoundMode) -> str:
+    """The speculator attribute holding the draft graph manager of the rounds of budget
+    ``budget`` and ``mode``."""
+    return f"{mode.value}_draft_graphs_k{budget}"
 
 
 def _depth_config(vllm_config, depth: int):
@@ -113,10 +133,10 @@ class TreeSpeculator(DFlashSpeculator):
         state; ``budgets``: every k a step may draft (``round_budgets``)."""
         self.budget = self.options.budget
         self.round_budgets = budgets
-        # The budget the next draft round grows, and whether it is a sampling round (Python
-        # values: captured per graph).
+        # The budget and the mode of the next draft round (Python values: captured per
+        # graph).
         self.round_budget = budgets[-1]
-        self.round_sampling = False
+        self.round_mode = RoundMode.DETERMINISTIC
         self.draws_trees = draws_sampled_trees(self.options)
         num_slots = self.max_num_reqs
         # Per batch row: the slot its tree is written to (the spare slot num_slots for the
@@ -129,8 +149,8 @@ class TreeSpeculator(DFlashSpeculator):
         depth = self.num_speculative_steps
         pools = None
         if self.draws_trees:
-            # Per batch row of a sampling round: whether its tree is sampled, and its
-            # request's seed.
+            # Per batch row of a mixed round: whether its tree is sampled; of a mixed or a
+            # sampled round: its request's seed.
             self.round_sampled = torch.zeros(num_slots, dtype=torch.bool, device=device)
             self.round_seeds = torch.zeros(num_slots, dtype=torch.int64, device=device)
             pools = (depth, self.options.candidate_pool)
@@ -156,42 +176,54 @@ class TreeSpeculator(DFlashSpeculator):
         if self.weaver is not None:
             self.weaver.prepare_tables(*_embedding_and_head(target_model))
 
-    def _round_kinds(self) -> list[tuple[int, bool]]:
-        """(budget, sampling) of every round a step may run."""
-        kinds = [(budget, False) for budget in self.round_budgets]
+    @property
+    def round_modes(self) -> tuple[RoundMode, ...]:
+        """The modes of the rounds a step may run: the deterministic one, and where the
+        options draw sampled trees the sampled and the mixed one."""
         if self.draws_trees:
-            kinds += [(budget, True) for budget in self.round_budgets]
-        return kinds
+            return (RoundMode.DETERMINISTIC, RoundMode.SAMPLED, RoundMode.MIXED)
+        return (RoundMode.DETERMINISTIC,)
+
+    @property
+    def round_sampling(self) -> bool:
+        """Whether the next round draws sampled trees (for some rows or all)."""
+        return self.round_mode is not RoundMode.DETERMINISTIC
+
+    def _round_kinds(self) -> list[tuple[int, RoundMode]]:
+        """(budget, mode) of every round a step may run."""
+        return [(budget, mode) for mode in self.round_modes for budget in self.round_budgets]
 
     def init_cudagraph_manager(self, cudagraph_mode: CUDAGraphMode) -> None:
-        """One vLLM DFlash graph manager per round budget and kind (deterministic, and
-        sampling where the options draw sampled trees): its draft graph is keyed by the
-        padded request count only (the block is D queries whatever k), so each round a
-        step may run is captured in a set of graphs of its own."""
-        for budget, sampling in self._round_kinds():
+        """One vLLM DFlash graph manager per round budget and mode: its draft graph is
+        keyed by the padded request count only (the block is D queries whatever k), so each
+        round a step may run is captured in a set of graphs of its own."""
+        for budget, mode in self._round_kinds():
             super().init_cudagraph_manager(cudagraph_mode)
-            setattr(self, _graphs_attribute(budget, sampling), self.query_cudagraph_manager)
+            setattr(self, _graphs_attribute(budget, mode), self.query_cudagraph_manager)
 
-    def _graph_managers(self, sampling: bool) -> dict[int, object]:
-        """By round budget: the vLLM DFlash graph manager whose graphs hold the
-        deterministic (or sampling) round of that k. Each is an attribute of its own: vLLM's
-        memory profiling (``profile_cudagraph_memory``) drops every graph-manager attribute
-        of the speculator after it, as it drops ``query_cudagraph_manager``."""
-        managers = {k: getattr(self, _graphs_attribute(k, sampling), None)
+    def round_graphs(self, mode: RoundMode) -> dict[int, object]:
+        """By round budget: the vLLM DFlash graph manager whose graphs hold the round of
+        that k and ``mode``. Each is an attribute of its own: vLLM's memory profiling
+        (``profile_cudagraph_memory``) drops every graph-manager attribute of the
+        speculator after it, as it drops ``query_cudagraph_manager``."""
+        managers = {k: getattr(self, _graphs_attribute(k, mode), None)
                     for k in self.round_budgets}
         return {k: manager for k, manager in managers.items() if manager is not None}
 
     @property
     def draft_graphs(self) -> dict[int, object]:
-        return self._graph_managers(sampling=False)
+        """The deterministic rounds' graph managers by budget."""
+        return self.round_graphs(RoundMode.DETERMINISTIC)
 
     @property
-    def sampling_draft_graphs(self) -> dict[int, object]:
-        return self._graph_managers(sampling=True)
+    def all_draft_graphs(self) -> list:
+        """The graph managers of every round a step may run."""
+        return [manager for mode in self.round_modes
+                for manager in self.round_graphs(mode).values()]
 
-    def _use_round(self, budget: int, sampling: bool = False) -> None:
-        """Draft the next round at ``budget``, a sampling round or not, replaying that
-        round's graphs (budget 0: vLLM's DFlash runs no round)."""
+    def _use_round(self, budget: int, mode: RoundMode = RoundMode.DETERMINISTIC) -> None:
+        """Draft the next round at ``budget`` in ``mode``, replaying that round's graphs
+        (budget 0: vLLM's DFlash runs no round)."""
         if budget == 0:
             return
         if budget not in self.round_budgets:
@@ -199,8 +231,8 @@ class TreeSpeculator(DFlashSpeculator):
                 f"dflash_tfm: a step drafts k = {budget}, not one of the round budgets "
                 f"{list(self.round_budgets)} of the batch-size schedule")
         self.round_budget = budget
-        self.round_sampling = sampling
-        manager = self._graph_managers(sampling).get(budget)
+        self.round_mode = mode
+        manager = self.round_graphs(mode).get(budget)
         if manager is not None:
             self.query_cudagraph_manager = manager
 
@@ -208,8 +240,8 @@ class TreeSpeculator(DFlashSpeculator):
         # vLLM's capture runs _generate_draft (warm-up and captured pass) on dummy inputs:
         # their trees go to the spare slot, whatever the last step left in tree_slots.
         self.tree_slots.fill_(self.max_num_reqs)
-        for budget, sampling in self._round_kinds():
-            self._use_round(budget, sampling)
+        for budget, mode in self._round_kinds():
+            self._use_round(budget, mode)
             super().capture()
         self._use_round(self.round_budgets[-1])
 
@@ -229,9 +261,10 @@ class TreeSpeculator(DFlashSpeculator):
 
     def _grow_trees(self, num_reqs: int, pools: CandidatePools,
                     dflash_hidden: torch.Tensor) -> None:
-        """``draft_trees``' round for batch rows 0..num_reqs-1 (a sampling round:
-        ``draft_trees_by_mask``'), into the slots ``_stage_round`` left in ``tree_slots``.
-        Reads device buffers only (no host sync): it runs inside vLLM's capture."""
+        """The round of ``round_mode`` for batch rows 0..num_reqs-1 (``draft_trees``, with
+        seeded draws in a sampled round; ``draft_trees_by_mask`` in a mixed one), into the
+        slots ``_stage_round`` left in ``tree_slots``. Reads device buffers only (no host
+        sync): it runs inside vLLM's capture."""
         block = self.num_query_per_req
         # prepare_dflash_inputs put each request's bonus token (its tree's root) first in
         # its block of query rows.
@@ -240,10 +273,14 @@ class TreeSpeculator(DFlashSpeculator):
             weaver=self.weaver, h_v=None if self.h_v is None else self.h_v[:num_reqs],
             dflash_hidden=dflash_hidden, fanout=self.options.fanout,
             expand_width=self.options.expand_width_for(self.round_budget), validate=False)
-        if self.round_sampling:
+        if self.round_mode is RoundMode.MIXED:
             trees = draft_trees_by_mask(
                 self.options.tree, roots, pools, self.round_budget,
                 self.round_sampled[:num_reqs], self._draw_seeds(num_reqs), **round_inputs)
+        elif self.round_mode is RoundMode.SAMPLED:
+            trees = draft_trees(self.options.tree, roots, pools, self.round_budget,
+                                sample_seeds=self._draw_seeds(num_reqs), fixed_widths=True,
+                                **round_inputs)
         else:
             trees = draft_trees(self.options.tree, roots, pools, self.round_budget,
                                 **round_inputs)
@@ -307,8 +344,8 @@ class TreeSpeculator(DFlashSpeculator):
         # of the schedule; 0: no drafts this step, vLLM's DFlash then stores the context).
         budget = (self.round_budgets[-1] if num_speculative_tokens is None
                   else num_speculative_tokens)
-        # A dummy run drafts the larger round its engine may run: memory profiling sees it.
-        self._use_round(budget, sampling=bool(sampled.any()) or (dummy_run and self.draws_trees))
+        # A dummy run drafts the largest round its engine may run: memory profiling sees it.
+        self._use_round(budget, self.round_modes[-1] if dummy_run else round_mode(sampled))
         super().propose(input_batch, attn_metadata, slot_mappings, last_hidden_states,
                         aux_hidden_states, num_sampled, num_rejected, last_sampled,
                         next_prefill_tokens, temperature, seeds, *args, dummy_run=dummy_run,
