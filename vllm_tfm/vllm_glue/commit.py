@@ -95,8 +95,13 @@ def commit_gdn_records(records, accepted_leaf: torch.Tensor) -> None:
     from triton_ops.gdn_tree import gdn_tree_commit
     from triton_ops.tree_conv import tree_conv1d_commit
 
+    # The GDN layers of a step share their requests tensor: one gather for all of them.
+    leaves: dict[int, torch.Tensor] = {}
     for record in records:
-        record_leaf = accepted_leaf.index_select(0, record.requests)
+        record_leaf = leaves.get(id(record.requests))
+        if record_leaf is None:
+            record_leaf = leaves[id(record.requests)] = accepted_leaf.index_select(
+                0, record.requests)
         gdn_tree_commit(record.ssm_state, record.slots, record.meta, record.verify_out,
                         record_leaf)
         tree_conv1d_commit(record.conv_state, record.slots, record.conv_inputs,
