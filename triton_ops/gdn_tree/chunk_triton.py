@@ -828,8 +828,11 @@ def _commit_kernel(
     state, slots, leaves, words, delta, gate_sum, k_normed,
     stride_ss, stride_sh, stride_sk, stride_sv,
     N, HV, K, V, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr,
+    GROUP: tl.constexpr, NP: tl.constexpr, PEEL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr,
 ):
+    # PEEL: node 0's term is an outer product of its own and the tile covers nodes
+    # 1 .. N - 1, NP = dot_block(N - 1) rows (65 nodes: 64 rows instead of 128).
     i_v = tl.program_id(0)
     i_k = tl.program_id(1)
     i_bh = tl.program_id(2)
@@ -849,23 +852,27 @@ def _commit_kernel(
     n_path = tl.where(leaf >= 0, N, 0)
     k_store = tl.where(leaf >= 0, K, 0)
     leaf = tl.maximum(leaf, 0)
-    nodes = tl.arange(0, NP)
-    w = tl.load(words + (b * N + leaf) * W + nodes // 64, mask=nodes < n_path, other=0)
-    on_path = bit_is_set(w, nodes)
+    leaf_words = words + (b * N + leaf) * W
+    nodes = PEEL + tl.arange(0, NP)
+    on_path = bit_is_set(tl.load(leaf_words + nodes // 64, mask=nodes < n_path, other=0), nodes)
     gate_sum += b * N * HV + hv
     g_leaf = tl.load(gate_sum + leaf * HV)
     b_g = tl.load(gate_sum + nodes * HV, mask=on_path, other=0.0)
     weight = tl.exp(tl.where(on_path, (g_leaf - b_g).to(tl.float32), float("-inf")))
-    b_k = tl.load(
-        k_normed + b * N * H * K + h * K + nodes[:, None] * H * K + ck[None, :],
-        mask=on_path[:, None] & (ck[None, :] < K), other=0.0,
-    )
-    b_d = tl.load(
-        delta + b * N * HV * V + hv * V + nodes[:, None] * HV * V + cv[None, :],
-        mask=on_path[:, None] & (cv[None, :] < V), other=0.0,
-    )
+    k_normed += b * N * H * K + h * K
+    delta += b * N * HV * V + hv * V
+    b_k = tl.load(k_normed + nodes[:, None] * H * K + ck[None, :],
+                  mask=on_path[:, None] & (ck[None, :] < K), other=0.0)
+    b_d = tl.load(delta + nodes[:, None] * HV * V + cv[None, :],
+                  mask=on_path[:, None] & (cv[None, :] < V), other=0.0)
     b_s = b_s * tl.exp(g_leaf.to(tl.float32))
     b_s += tl.dot(tl.trans(b_k * weight[:, None]), b_d, input_precision=PREC)
+    if PEEL:
+        root_on_path = bit_is_set(tl.load(leaf_words), 0) & (n_path > 0)
+        root_weight = tl.where(root_on_path, tl.exp((g_leaf - tl.load(gate_sum)).to(tl.float32)), 0.0)
+        k_root = tl.load(k_normed + ck, mask=ck < K, other=0.0)
+        d_root = tl.load(delta + cv, mask=cv < V, other=0.0)
+        b_s += (k_root * root_weight)[:, None] * d_root[None, :]
     tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=tile & (ck[:, None] < k_store))
 
 
@@ -960,12 +967,14 @@ def commit_triton(
 ) -> None:
     B, N, HV, V = out.delta.shape
     H, K = out.k_normed.shape[2], out.k_normed.shape[3]
-    NP = dot_block(N)
+    # Node 0 apart where that shrinks the node tile (the engine's 1 + 2^k nodes).
+    peel = int(peel_shrinks_split(N))
     BK = min(dot_block(K), 64)
     BV = min(dot_block(V), 64)
     words = meta.ancestor_words.contiguous()
     _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
         ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,
         *ssm_state.stride(), N, HV, K, V, words.shape[-1],
-        GROUP=HV // H, NP=NP, BK=BK, BV=BV, PREC=precision, num_warps=4,
+        GROUP=HV // H, NP=dot_block(N - peel), PEEL=peel, BK=BK, BV=BV, PREC=precision,
+        num_warps=4,
     )
