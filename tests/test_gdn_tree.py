@@ -14,7 +14,7 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree import chunk_triton
-from triton_ops.gdn_tree.chunk import PRECISIONS
+from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
 from triton_ops.gdn_tree.naive import l2_normalize
 from triton_ops.testing import random_tree_metadata, rel_err
 from triton_ops.tree_metadata import build_tree_metadata
@@ -587,3 +587,23 @@ def test_default_scale_is_inverse_sqrt_k(gen):
     a = gdn_tree_verify(*inputs, meta)
     b = gdn_tree_verify(*inputs, meta, scale=1 / math.sqrt(16))
     assert torch.equal(a.o, b.o)
+
+
+@pytest.mark.parametrize("N", [40, 65])
+@pytest.mark.parametrize("block_k, block_v, warps", [(16, 32, 2), (32, 16, 2), (16, 16, 1)])
+def test_commit_state_tiles_commit_the_same_states(N, block_k, block_v, warps, gen):
+    """The commit's tuning knobs (bench_kernels' commit sweep) partition the state tile only:
+    every tile gives the default's states bit for bit, and the float64 path's within tolerance."""
+    meta = random_tree_metadata(gen, ["bushy", "forest"], N)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 2, N, 1, 2, 32, 32)
+    out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
+    leaf = meta.num_nodes.long() - 1
+    default, tuned = pool.clone(), pool.clone()
+    gdn_tree_commit(default, slots, meta, out, leaf, backend="triton")
+    chunk_triton.commit_triton(tuned, slots, meta, out, leaf, DEFAULT_PRECISION, block_k=block_k,
+                               block_v=block_v, num_warps=warps)
+    assert not torch.equal(default, pool)
+    assert torch.equal(tuned, default)
+    _, states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    for b in range(2):
+        assert rel_err(tuned[int(slots[b])], states[b, leaf[b]]) < FP32_TOL

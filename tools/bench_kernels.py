@@ -48,8 +48,8 @@ from triton_ops.gdn_tree import (
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
-from triton_ops.gdn_tree.chunk import PRECISIONS
-from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, kernel_takes, verify_triton
+from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
+from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
 from triton_ops.testing import random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
@@ -539,6 +539,51 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                  ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
 
 
+# The commit's state tiles and warps the sweep times: (BK, BV, warps); the first is the
+# default. At batch 1 the default's 192 programs are half a wave (BENCHMARKS.md, issue 13).
+COMMIT_SWEEP = [(64, 64, 4), (64, 32, 4), (32, 64, 4), (32, 32, 4), (32, 32, 2), (16, 32, 2),
+                (32, 16, 2), (16, 16, 1), (64, 64, 8)]
+
+
+def gdn_commit_sweep(device, args, deadline: float) -> list[str]:
+    """Commit time per state tile and warps (CUDA graph), each checked against the default's
+    committed states first (``--smoke``: tiny shapes, the checks alone)."""
+    if not args.sweep:
+        return []
+    H, HV, K, V = (2, 4, 32, 32) if args.smoke else (16, 48, 128, 128)
+    shapes = ((17, 1), (9, 2)) if args.smoke else ((65, 1), (64, 1), (17, 8), (65, 8), (17, 32))
+    rows = []
+    gen = torch.Generator().manual_seed(5)
+    for N, B in shapes:
+        meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
+        sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
+        outs = [gdn_tree_verify(*s, meta) for s in sets]
+        leaf = torch.full((B,), N - 1, device=device)
+        for bk, bv, warps in COMMIT_SWEEP:
+            if time.monotonic() > deadline:
+                break
+
+            def call(s, out, bk=bk, bv=bv, warps=warps):
+                commit_triton(s[5], s[6], meta, out, leaf, DEFAULT_PRECISION, block_k=bk,
+                              block_v=bv, num_warps=warps)
+
+            label = f"commit BK={bk} BV={bv} warps={warps} (N={N}, B={B})"
+            pool = sets[0][5]
+            default, tuned = pool.clone(), pool.clone()
+            commit_triton(default, sets[0][6], meta, outs[0], leaf, DEFAULT_PRECISION)
+            call((*sets[0][:5], tuned, sets[0][6]), outs[0])
+            error = rel_err(tuned, default.double())
+            if not error < 1e-6 or torch.equal(default, pool):  # nothing committed: no check
+                args.failed.append(label)
+                rows.append([str(N), str(B), str(bk), str(bv), str(warps), fmt_err(error), "FAILED"])
+                continue
+            us = guarded(label, lambda: time_graph([lambda s=s, o=o: call(s, o)
+                                                    for s, o in zip(sets, outs)], device))
+            rows.append([str(N), str(B), str(bk), str(bv), str(warps), fmt_err(error), fmt(us)])
+    return table("GDN tree commit state tiles (us per layer, CUDA graph; error vs the default tile)",
+                 ["N", "B", "BK", "BV", "warps", "rel err", "graph"], rows)
+
+
 def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
     """Only launch verify + commit twice at the key shapes, and each of ``kernels``
     twice, for a profiler to read
@@ -568,6 +613,7 @@ def bench_gdn(args) -> list[str]:
         "precision": lambda: gdn_precision_table(device, args.smoke, args.failed, deadline),
         "padding": lambda: gdn_padding_table(device, args, deadline),
         "sweep": lambda: gdn_config_sweep(device, args, deadline),
+        "commit-sweep": lambda: gdn_commit_sweep(device, args, deadline),
     }
     unknown = sorted(set(args.gdn_sections) - set(sections))
     if unknown:
@@ -1043,7 +1089,7 @@ def main() -> int:
                         help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
     parser.add_argument("--profile-gdn", action="store_true",
                         help="only launch the GDN kernels at the key shapes (run it under ncu)")
-    parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep",
+    parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep,commit-sweep",
                         help="GDN: comma list of the sections to run, in this order")
     parser.add_argument("--gdn-shapes", default="",
                         help="GDN timing table: only these NxB shapes, e.g. 64x1,128x1 (default: N in 16..128, "

@@ -964,17 +964,23 @@ def commit_triton(
     out: GDNTreeVerifyOutput,
     accepted_leaf: torch.Tensor,
     precision: str,
+    block_k: int | None = None,
+    block_v: int | None = None,
+    num_warps: int = 4,
 ) -> None:
+    """Launch the commit kernel; ``block_k``, ``block_v`` (powers of two from 16: the state
+    tile a program updates, at most 64 each by default) and ``num_warps`` are tuning knobs
+    for benchmarks."""
     B, N, HV, V = out.delta.shape
     H, K = out.k_normed.shape[2], out.k_normed.shape[3]
     # Node 0 apart where that shrinks the node tile (the engine's 1 + 2^k nodes).
     peel = int(peel_shrinks_split(N))
-    BK = min(dot_block(K), 64)
-    BV = min(dot_block(V), 64)
+    BK = block_k or min(dot_block(K), 64)
+    BV = block_v or min(dot_block(V), 64)
     words = meta.ancestor_words.contiguous()
     _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
         ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,
         *ssm_state.stride(), N, HV, K, V, words.shape[-1],
         GROUP=HV // H, NP=dot_block(N - peel), PEEL=peel, BK=BK, BV=BV, PREC=precision,
-        num_warps=4,
+        num_warps=num_warps,
     )
