@@ -33,9 +33,9 @@ request sampled, the common case at T > 0) the sampled round, which grows sample
 alone; a mixed batch the mixed round, which grows both tree kinds for every row and keeps,
 row by row on the device, the sampled tree where ``round_sampled`` marks the row
 (``draft_trees_by_mask``). So neither a greedy nor an all-sampled batch pays for the
-other kind's round. A row's draws are seeded
-by its request's seed and the position of the tree's root (``_draw_seeds``), as its
-verification is (``v2/verify.py::step_seeds``): a seeded request reproduces.
+other kind's round. A row's draws are seeded by its request's seed and the position of the
+tree's root (``_draw_seeds``), as its verification is (``v2/verify.py::step_seeds``): a
+seeded request reproduces, and its tree is the same in a sampled and in a mixed round.
 
 A step's budget k is vLLM's (``propose(..., num_speculative_tokens=k)``): the scheduler
 reads it off the batch-size schedule (``num_speculative_tokens_per_batch_size``, the
