@@ -137,6 +137,8 @@ def kernels_by_phase(events, steps: int, top: int = 12) -> str:
     (input preparation, graph-less glue) are the rest."""
     by_phase: dict[str, dict[str, list[float]]] = {name: {} for name in (*PHASES, "rest")}
     for event in events:
+        if not event.kernels:
+            continue
         phase = "rest"
         ancestor = event
         while ancestor is not None:
