@@ -1,6 +1,7 @@
 """Tree GDN verify/commit (torch path and Triton kernels) against the float64 per-node recurrence."""
 
 import math
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ import triton.language as tl
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
     gdn_tree_commit,
+    gdn_tree_commit_layers,
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
+import triton_ops.utils as utils
 from triton_ops.gdn_tree import chunk_triton
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
 from triton_ops.gdn_tree.naive import l2_normalize
@@ -607,3 +610,85 @@ def test_commit_state_tiles_commit_the_same_states(N, block_k, block_v, warps, g
     _, states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     for b in range(2):
         assert rel_err(tuned[int(slots[b])], states[b, leaf[b]]) < FP32_TOL
+
+
+def verified_layers(gen, meta, layers: int, num_slots: int, H: int, HV: int, K: int, V: int,
+                    backend: str = "triton"):
+    """(pools, slots, verify outputs) of ``layers`` GDN layers over ``meta``'s trees, each
+    with inputs and slots of its own; the pools in vLLM's layout ([slots, HV, V, K] seen
+    transposed), all but the last layer's views of one shared buffer, the last apart."""
+    shared = torch.randn(layers - 1, num_slots, HV, V, K, generator=gen)
+    apart = torch.randn(num_slots, HV, V, K, generator=gen)
+    pools = [pool.transpose(-1, -2) for pool in (*shared, apart)]
+    slots, outs = [], []
+    B, N = meta.parents.shape
+    for pool in pools:
+        q, k, v, g, beta, _, layer_slots = make_inputs(gen, B, N, H, HV, K, V, num_slots=num_slots)
+        slots.append(layer_slots)
+        outs.append(gdn_tree_verify(q, k, v, g, beta, pool, layer_slots, meta, backend=backend))
+    return pools, slots, outs
+
+
+# N, tree shapes, K, V: several K and V blocks a layer (64 each), a ragged last V block.
+LAYERS_CASES = [(17, ["bushy", "forest"], 128, 128), (40, ["chain", "star"], 32, 32),
+                (65, ["random", "bushy"], 32, 80)]
+
+
+@pytest.mark.parametrize("N, shapes, K, V", LAYERS_CASES, ids=lambda c: str(c))
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_commit_of_several_layers_commits_each_as_its_own_commit(N, shapes, K, V, backend, gen):
+    """gdn_tree_commit_layers (one launch for a step's GDN layers, each with its own pool,
+    slots and verify output) leaves every pool as that layer's own gdn_tree_commit does,
+    bit for bit, including the slots of requests that accepted nothing and every slot no
+    request holds."""
+    H, HV, layers, num_slots = 1, 2, 3, 5
+    meta = random_tree_metadata(gen, shapes, N)
+    pools, slots, outs = verified_layers(gen, meta, layers, num_slots, H, HV, K, V, backend)
+    leaf = torch.tensor([int(meta.num_nodes[0]) - 1, -1])
+    before = [pool.clone() for pool in pools]
+    one_by_one = [pool.clone() for pool in pools]
+    for pool, layer_slots, out in zip(one_by_one, slots, outs):
+        gdn_tree_commit(pool, layer_slots, meta, out, leaf, backend=backend)
+    gdn_tree_commit_layers(pools, slots, meta, outs, leaf, backend=backend)
+    for pool, want, old, layer_slots in zip(pools, one_by_one, before, slots):
+        assert torch.equal(pool, want)
+        assert not torch.equal(pool[int(layer_slots[0])], old[int(layer_slots[0])])
+        assert torch.equal(pool[int(layer_slots[1])], old[int(layer_slots[1])])
+
+
+def test_commit_of_several_layers_refuses_layers_unlike_layer_0(gen):
+    """Every layer must match layer 0's layout (one launch reads them all at layer 0's
+    strides); the error names the tensor and the layer."""
+    N, H, HV, K, V = 9, 1, 2, 16, 16
+    meta = random_tree_metadata(gen, ["random", "chain"], N)
+    pools, slots, outs = verified_layers(gen, meta, 2, 4, H, HV, K, V)
+    leaf = meta.num_nodes.long() - 1
+    contiguous = [pools[0], pools[1].contiguous()]
+    with pytest.raises(ValueError, match=r"ssm_states\[1\] must match ssm_states\[0\]'s dtype, shape, strides"):
+        gdn_tree_commit_layers(contiguous, slots, meta, outs, leaf, backend="triton")
+    with pytest.raises(ValueError, match=r"state_slots\[1\] must match"):
+        gdn_tree_commit_layers(pools, [slots[0], slots[1].long()], meta, outs, leaf, backend="triton")
+    with pytest.raises(ValueError, match="one entry per layer"):
+        gdn_tree_commit_layers(pools, slots[:1], meta, outs, leaf)
+    with pytest.raises(ValueError, match="at least one"):
+        gdn_tree_commit_layers([], [], meta, [], leaf)
+
+
+def test_a_second_commit_over_the_same_tensors_makes_no_table(gen, monkeypatch):
+    """The layer table is made by the first commit over a set of tensors and found by the
+    next (a CUDA graph's captured commit may not copy one from the host); other tensors
+    get a table of their own, and the least recently used tables leave first."""
+    monkeypatch.setattr(utils, "_DEVICE_TABLES", OrderedDict())
+    monkeypatch.setattr(utils, "_MAX_DEVICE_TABLES", 2)
+    N, H, HV, K, V = 5, 1, 1, 16, 16
+    meta = random_tree_metadata(gen, ["random"], N)
+    steps = [verified_layers(gen, meta, 2, 2, H, HV, K, V) for _ in range(3)]
+    leaf = meta.num_nodes.long() - 1
+    gdn_tree_commit_layers(*steps[0][:2], meta, steps[0][2], leaf, backend="triton")
+    (table,) = utils._DEVICE_TABLES.values()
+    assert table.shape == (2, 5) and table.dtype == torch.int64
+    gdn_tree_commit_layers(*steps[0][:2], meta, steps[0][2], leaf, backend="triton")
+    assert list(utils._DEVICE_TABLES.values()) == [table]
+    for pools, slots, outs in steps[1:]:
+        gdn_tree_commit_layers(pools, slots, meta, outs, leaf, backend="triton")
+    assert len(utils._DEVICE_TABLES) == 2 and all(t is not table for t in utils._DEVICE_TABLES.values())

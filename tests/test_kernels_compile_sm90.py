@@ -29,14 +29,14 @@ import triton_ops
 import triton_ops.gdn_tree.chunk_triton as chunk_triton
 import triton_ops.tree_metadata as tree_metadata
 from triton_ops.counter_random import counter_gumbel, counter_uniform
-from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit
+from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit, gdn_tree_commit_layers
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
 from triton_ops.testing import random_tree_batch, random_tree_metadata
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
 from triton_ops.traversal import traversal_law, walk_choices
-from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
+from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit, tree_conv1d_commit_layers
 from triton_ops.weaver_step.attention import node_attention
 from triton_ops.weaver_step.frontier import (
     ExpandBatch,
@@ -67,11 +67,14 @@ for launch in json.load(sys.stdin):
     kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
     constexprs = {(index,): tl.dtype(value["dtype"]) if isinstance(value, dict) else value
                   for index, value in launch["constexprs"]}
-    source = ASTSource(kernel, launch["signature"], constexprs=constexprs)
+    attrs = {(index,): [["tt.divisibility", 16]] for index in launch["divisible"]}
+    source = ASTSource(kernel, launch["signature"], constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options=launch["options"])
     assert compiled.asm["cubin"], launch["kernel"]
-    print("compiled", launch["kernel"], flush=True)
+    ptx = compiled.asm["ptx"]
+    vector = {op: ptx.count(op + ".global.v4") + ptx.count(op + ".global.v2") for op in ("ld", "st")}
+    print("compiled", launch["kernel"], json.dumps(vector), flush=True)
 """
 
 
@@ -91,7 +94,7 @@ def describe_launch(fn, args, kwargs) -> dict:
     parameters = inspect.signature(fn).parameters
     values = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items()
                                             if k not in LAUNCH_OPTIONS}
-    signature, constexprs = {}, []
+    signature, constexprs, divisible = {}, [], []
     for index, (name, parameter) in enumerate(parameters.items()):
         value = values.get(name, parameter.default)
         if "constexpr" in str(parameter.annotation) or value is None:
@@ -100,10 +103,17 @@ def describe_launch(fn, args, kwargs) -> dict:
                                else value))
         elif isinstance(value, torch.Tensor):
             signature[name] = "*" + POINTER_TYPES[value.dtype]
+            divisible += [index] if value.data_ptr() % 16 == 0 else []
+        elif type(value) is int and value == 1:
+            signature[name] = "constexpr"
+            constexprs.append((index, 1))
         else:
             signature[name] = scalar_type(value)
+            divisible += [index] if type(value) is int and value % 16 == 0 else []
+    # As a launch specialises them: integers equal to 1 as constants, pointers and integers
+    # divisible by 16 as such.
     return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
-            "constexprs": constexprs,
+            "constexprs": constexprs, "divisible": divisible,
             "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
 
 
@@ -122,8 +132,11 @@ def verify_kernel(kernel):
         q, k, v, g, beta, state, slots, meta = gdn_inputs(gen)
         out = chunk_triton.verify_triton(q, k, v, g, beta, state, slots, meta, 128 ** -0.5,
                                          True, DEFAULT_PRECISION, kernel=kernel)
-        if kernel == "tile":  # the commit consumes a verify's output
-            gdn_tree_commit(state, slots, meta, out, torch.tensor([3, -1]), backend="triton")
+        if kernel == "tile":  # the commit consumes a verify's output: one layer, then two
+            leaf = torch.tensor([3, -1])
+            gdn_tree_commit(state, slots, meta, out, leaf, backend="triton")
+            gdn_tree_commit_layers([state, state], [slots, slots], meta, [out, out], leaf,
+                                   backend="triton")
     return call
 
 
@@ -153,6 +166,8 @@ def conv(gen):
     slots = torch.tensor([1, 2], dtype=torch.int32)
     tree_conv1d(x, weight, bias, state, slots, meta, activation="silu", backend="triton")
     tree_conv1d_commit(state, slots, x, meta, torch.tensor([5, 0]), backend="triton")
+    tree_conv1d_commit_layers([state, state], [slots, slots], [x, x], meta, torch.tensor([5, 0]),
+                              backend="triton")
 
 
 def attention(gen):
@@ -254,14 +269,43 @@ def test_the_cases_launch_every_kernel(gen, monkeypatch):
     assert kernels == launched
 
 
+def compile_launches(launches: list) -> list[dict]:
+    """Compile each distinct launch for sm_90; for every launch, its kernel's count of
+    vector global loads and stores in the PTX (``{"ld": n, "st": n}``)."""
+    keys = [json.dumps(describe_launch(*launch), sort_keys=True) for launch in launches]
+    unique = list(dict.fromkeys(keys))
+    done = subprocess.run([sys.executable, "-c", COMPILER], input=f"[{', '.join(unique)}]",
+                          capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("compiled")]
+    assert len(lines) == len(unique)
+    vectors = dict(zip(unique, (json.loads(line.split(" ", 2)[2]) for line in lines)))
+    return [vectors[key] for key in keys]
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_launch_compiles_for_sm90(case, gen, monkeypatch):
     launches = recorded_launches(case, gen, monkeypatch)
     assert launches, f"{case} launched no kernel"
-    described = [describe_launch(*launch) for launch in launches]
-    unique = list({json.dumps(launch, sort_keys=True): launch for launch in described}.values())
-    done = subprocess.run([sys.executable, "-c", COMPILER], input=json.dumps(unique),
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.count("compiled") == len(unique)
+    compile_launches(launches)
+
+
+def test_a_commit_of_several_layers_loads_as_a_commit_of_one(gen, monkeypatch):
+    """Each layer is layer 0's pointer plus an offset read at run time, so the compiler
+    knows no alignment of it: without the table's alignment hint (layer_tensor) every
+    vector load and store became a scalar one (the GDN commit at 65 nodes, K = V = 128:
+    32 vector loads and 8 vector stores -> none). A commit of several layers keeps the
+    single-layer commit's vector accesses."""
+    def commits(gen):
+        verify_kernel("tile")(gen)  # the GDN commit of one layer, then two
+        conv(gen)  # the conv commit of one layer, then two
+    monkeypatch.setitem(CASES, "commits", commits)
+    launches = [launch for launch in recorded_launches("commits", gen, monkeypatch)
+                if "commit" in launch[0].__name__]
+    by_kernel = {}
+    for launch, vector in zip(launches, compile_launches(launches)):
+        by_kernel.setdefault(launch[0].__name__, []).append(vector)
+    assert sorted(by_kernel) == ["_commit_kernel", "_tree_conv1d_commit_kernel"]
+    for kernel, (one, several) in by_kernel.items():
+        assert one["ld"] + one["st"] > 0 and several == one, kernel

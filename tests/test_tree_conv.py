@@ -11,6 +11,7 @@ from triton_ops.tree_conv import (
     naive_tree_conv1d_commit,
     tree_conv1d,
     tree_conv1d_commit,
+    tree_conv1d_commit_layers,
 )
 from triton_ops.tree_metadata import build_tree_metadata
 
@@ -141,6 +142,39 @@ def test_commit_padding_slot_untouched(gen):
         other = [s for s in range(conv_state.shape[0]) if s != slots[1]]
         assert same_bits(state[other], conv_state[other])
         assert same_bits(state[slots[1].long()], torch.cat([x[1, 2:].t()], dim=1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("C", [20, 300])  # 300: two channel blocks
+def test_commit_of_several_layers_commits_each_as_its_own_commit(backend, C, gen):
+    """tree_conv1d_commit_layers (one launch for a step's GDN layers: conv states in one
+    buffer or apart, inputs and slots of their own) leaves every layer's conv state as
+    that layer's own tree_conv1d_commit does, bit for bit; layers unlike layer 0 are
+    refused by name."""
+    B, N, W, layers, num_slots = 3, 9, 4, 3, 5
+    meta = random_tree_metadata(gen, ["random", "forest", "chain"], N, [9, 5, 3], W)
+    storage = torch.randn(layers - 1, num_slots, W - 1, C, generator=gen)
+    apart = torch.randn(num_slots, W - 1, C, generator=gen)
+    states = [state.transpose(1, 2) for state in (*storage, apart)]
+    xs, slots = [], []
+    for _ in range(layers):
+        x, _, _, _, layer_slots = conv_inputs(B, N, C, W, num_slots, torch.float32, gen)
+        xs.append(x)
+        slots.append(layer_slots)
+    slots[1][2] = -1  # vLLM's padding slot: never written
+    leaf = torch.tensor([8, -1, 2])
+    one_by_one = [state.clone() for state in states]
+    for state, layer_slots, x in zip(one_by_one, slots, xs):
+        tree_conv1d_commit(state, layer_slots, x, meta, leaf, backend=backend)
+    before = [state.clone() for state in states]
+    tree_conv1d_commit_layers(states, slots, xs, meta, leaf, backend=backend)
+    for state, want, old in zip(states, one_by_one, before):
+        assert same_bits(state, want) and not same_bits(state, old)
+    with pytest.raises(ValueError, match=r"xs\[1\] must match xs\[0\]'s dtype, shape, strides"):
+        tree_conv1d_commit_layers(states[:2], slots[:2], [xs[0], xs[1].contiguous()], meta, leaf,
+                                  backend="triton")
+    with pytest.raises(ValueError, match="one entry per layer"):
+        tree_conv1d_commit_layers(states, slots, xs[:2], meta, leaf)
 
 
 def test_bad_inputs_name_the_argument(gen, monkeypatch):

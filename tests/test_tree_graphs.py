@@ -13,13 +13,17 @@ host sync, fixed addresses) only the GPU can tell: tests/test_gpu_graphs.py.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+import triton_ops.utils as utils
+from triton_ops.gdn_tree import gdn_tree_commit
 from triton_ops.testing import random_tree_batch
+from triton_ops.tree_conv import tree_conv1d_commit
 from vllm_tfm.options import MAX_BATCH, TfmOptions, budget_for_batch
 from vllm_tfm.vllm_glue.attention import tree_attention_rows
 from vllm_tfm.vllm_glue.commit import commit_gdn_records
@@ -157,6 +161,42 @@ def test_a_bound_step_scores_and_commits_as_the_eager_step(gen, num_reqs, padded
     untouched[real_slots] = False
     assert torch.equal(graph_ssm[untouched], ssm_state[untouched])
     assert torch.equal(graph_conv[untouched], conv_state[untouched])
+
+
+def test_a_steps_gdn_layers_commit_in_one_launch_as_each_alone(gen, monkeypatch):
+    """commit_gdn_records on the Triton path (interpreted): a step's GDN layers, their
+    caches views of one buffer (vLLM shares cache tensors across layers) or apart and
+    slots of their own, commit in one launch per state kind as each layer's own commits
+    would, bit for bit; the tables of that launch are made once."""
+    num_reqs, num_nodes, num_slots, layers = 3, 9, 6, 3
+    step = full_tree_step(gen, num_reqs, num_nodes, prefix_lens=[4, 0, 12])
+    conv_buffer = torch.randn(layers - 1, num_slots, CHANNELS, WIDTH - 1, generator=gen)
+    ssm_buffer = torch.randn(layers - 1, num_slots, HV, K, V, generator=gen) * 0.1
+    conv_states = [*conv_buffer, torch.randn(num_slots, CHANNELS, WIDTH - 1, generator=gen)]
+    ssm_states = [*ssm_buffer, torch.randn(num_slots, HV, K, V, generator=gen) * 0.1]
+    slots = torch.randperm(num_slots - 1, generator=gen)[:num_reqs] + 1
+    for index, (conv_state, ssm_state) in enumerate(zip(conv_states, ssm_states)):
+        layer = fake_gdn_layer(gen)
+        layer.prefix = f"model.layers.{index}.linear_attn"
+        inputs = (torch.randn(num_reqs * num_nodes, CHANNELS, generator=gen),
+                  torch.randn(num_reqs * num_nodes, HV, generator=gen),
+                  torch.randn(num_reqs * num_nodes, HV, generator=gen))
+        gdn_forward(inputs, layer, step, slots.clone(), torch.randn(CHANNELS, WIDTH, generator=gen),
+                    conv_state, ssm_state)
+    leaf = torch.tensor([num_nodes - 1, -1, 3])
+    want_conv = [state.clone() for state in conv_states]
+    want_ssm = [state.clone() for state in ssm_states]
+    for record, conv_state, ssm_state in zip(step.gdn_records.values(), want_conv, want_ssm):
+        gdn_tree_commit(ssm_state, record.slots, record.meta, record.verify_out, leaf,
+                        backend="triton")
+        tree_conv1d_commit(conv_state, record.slots, record.conv_inputs, record.meta, leaf,
+                           backend="triton")
+    monkeypatch.setattr(utils, "_DEVICE_TABLES", OrderedDict())
+    commit_gdn_records(step.gdn_records.values(), leaf, backend="triton")
+    # One table for the recurrent states, one for the conv states, each over every layer.
+    assert [table.shape for table in utils._DEVICE_TABLES.values()] == [(layers, 5), (layers, 3)]
+    for got, want in zip((*conv_states, *ssm_states), (*want_conv, *want_ssm)):
+        assert torch.equal(got, want)
 
 
 def _eager_copy(step):

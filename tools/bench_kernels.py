@@ -45,6 +45,7 @@ import torch
 from triton_ops.gdn_tree import (
     fused_recurrent_gdn_tree,
     gdn_tree_commit,
+    gdn_tree_commit_layers,
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
@@ -206,7 +207,9 @@ def gdn_inputs(gen, B, N, H, HV, K, V, dtype, device, num_slots=None):
 def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None, kernel: str | None = None):
     """(verify output error, committed state error, the float64 outputs) against the
     float64 recurrence, on the first ``first`` requests (the reference keeps every
-    node's state in float64); ``kernel``: a verify kernel other than the default."""
+    node's state in float64); ``kernel``: a verify kernel other than the default. The
+    commit error is infinite where gdn_tree_commit_layers over two layers does not give
+    each layer gdn_tree_commit's state bit for bit."""
     q, k, v, g, beta, pool, slots = inputs
     B = q.shape[0] if first is None else min(first, q.shape[0])
     sub = type(meta)(**{name: t[:B] for name, t in vars(meta).items()})
@@ -221,7 +224,13 @@ def gdn_errors(inputs, meta, precision: str = "tf32x3", first: int | None = None
     new_pool = pool.clone()
     gdn_tree_commit(new_pool, slots, sub, out, leaf, precision=precision)
     want = ref_states[torch.arange(B, device=q.device), leaf]
-    return rel_err(out.o, ref_o), rel_err(new_pool[slots.long()], want), ref_o
+    commit_err = rel_err(new_pool[slots.long()], want)
+    # The engine's one launch for several layers must commit each as its own launch does.
+    layers = [pool.clone(), pool.clone()]
+    gdn_tree_commit_layers(layers, [slots] * 2, sub, [out] * 2, leaf, precision=precision)
+    if not all(same_bits(layer, new_pool) for layer in layers):
+        commit_err = math.inf
+    return rel_err(out.o, ref_o), commit_err, ref_o
 
 
 def gdn_correctness(device, smoke: bool, failed: list, kernels: list[str], deadline: float) -> list[str]:
@@ -393,7 +402,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         shapes = args.gdn_shapes
     for N, B in shapes:
         if time.monotonic() > deadline:
-            rows.append([str(N), str(B), "(out of time)"] + [""] * (10 + 2 * len(args.kernels)))
+            rows.append([str(N), str(B), "(out of time)"] + [""] * (11 + 2 * len(args.kernels)))
             continue
         state_bytes = B * HV * K * V * 4
         in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
@@ -411,6 +420,11 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
             [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
             device,
         ))
+        # The engine's commit: every layer in one launch (its table made by the eager call
+        # before the capture).
+        pools, slots = [s[5] for s in sets], [s[6] for s in sets]
+        commit_layers_graph = guarded("commit layers graph", lambda: time_graph(
+            [lambda: gdn_tree_commit_layers(pools, slots, meta, outs, leaf)], device) / layers)
         del outs
         rec_graph = fla_graph = spec_graph = float("nan")
         if not args.skip_baselines:
@@ -453,7 +467,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         commit_floor = 1e6 * commit_bytes / bandwidth
         rows.append([
             str(N), str(B), fmt(verify_graph), sm_clock(clocks), fmt(verify_floor), fmt(commit_graph),
-            fmt(commit_floor),
+            fmt(commit_layers_graph), fmt(commit_floor),
             fmt(rec_graph), fmt(fla_graph), fmt(spec_graph),
             fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err), *kernel_cells,
         ])
@@ -461,7 +475,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows.sort(key=lambda row: (int(row[0]), int(row[1])))
-    header = ["N", "B", "verify", "SM MHz", "verify floor", "commit", "commit floor", "per-node-state",
+    header = ["N", "B", "verify", "SM MHz", "verify floor", "commit", "commit, one launch",
+              "commit floor", "per-node-state",
               "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
     header += [f"{kernel}{part}" for kernel in args.kernels for part in ("", " err")]
     return table(
@@ -469,7 +484,9 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         "conv output (the tree path's layout since stop 21), fp32 state "
         f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
         f"{fmt(bandwidth / 1e12, 2)} TB/s; per-node-state = fused_recurrent_gdn_tree writing every "
-        "node's state; SM MHz: median SM clock while verify was timed (nvidia-smi); fla chain = "
+        "node's state; SM MHz: median SM clock while verify was timed (nvidia-smi); commit, one "
+        "launch = gdn_tree_commit_layers over every layer of the graph (the engine's), per layer; "
+        "fla chain = "
         "fla's chunk_gated_delta_rule on a chain of N; vLLM spec = vLLM's "
         "fused_sigmoid_gating_delta_rule_update on B chains of N tokens, per-token states; errors: "
         "bf16 output and fp32 committed state vs float64, first 2 requests)",
@@ -635,7 +652,13 @@ def conv_inputs(gen, B, N, C, W, dtype, device):
 
 
 def conv_correctness(device, failed: list) -> list[str]:
-    from triton_ops.tree_conv import naive_tree_conv1d, naive_tree_conv1d_commit, tree_conv1d, tree_conv1d_commit
+    from triton_ops.tree_conv import (
+        naive_tree_conv1d,
+        naive_tree_conv1d_commit,
+        tree_conv1d,
+        tree_conv1d_commit,
+        tree_conv1d_commit_layers,
+    )
 
     gen = torch.Generator().manual_seed(10)
     rows = []
@@ -654,11 +677,20 @@ def conv_correctness(device, failed: list) -> list[str]:
             expected = naive_tree_conv1d_commit(cpu[3], cpu[4], cpu[0], meta_on(meta, "cpu"), leaf.cpu())
             check_row(rows, failed, f"conv commit {str(dtype).split('.')[-1]} W={W} (bit-exact)",
                       0.0 if same_bits(new_state, expected) else math.inf, 0.0)
+            layers = [state.clone(), state.clone()]
+            tree_conv1d_commit_layers(layers, [slots] * 2, [x] * 2, meta, leaf)
+            check_row(rows, failed, f"conv commit, 2 layers in one launch {str(dtype).split('.')[-1]} "
+                      f"W={W} (bit-exact)",
+                      0.0 if all(same_bits(layer, expected) for layer in layers) else math.inf, 0.0)
     return table("tree conv1d vs float64 reference", ["case", "error", "tol", "check"], rows)
 
 
 def conv_timing_table(device, args, bandwidth: float) -> list[str]:
-    from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit
+    from triton_ops.tree_conv import (
+        tree_conv1d,
+        tree_conv1d_commit,
+        tree_conv1d_commit_layers,
+    )
 
     C, W = (64, 4) if args.smoke else (10240, 4)
     gen = torch.Generator().manual_seed(11)
@@ -672,11 +704,20 @@ def conv_timing_table(device, args, bandwidth: float) -> list[str]:
             conv = lambda: tree_conv1d(x, weight, bias, state, slots, meta, out=out)  # noqa: E731
             commit = lambda: tree_conv1d_commit(state, slots, x, meta, leaf)  # noqa: E731
             floor = (2 * x.numel() * 2 + B * (W - 1) * C * 2) / bandwidth * 1e6
+            # The engine's commit: GRAPH_REPEATS layers of their own in one launch.
+            layers = [conv_inputs(gen, B, N, C, W, torch.bfloat16, device) for _ in range(GRAPH_REPEATS)]
+            states, layer_slots, xs = ([layer[i] for layer in layers] for i in (3, 4, 0))
+            commit_layers = lambda: tree_conv1d_commit_layers(  # noqa: E731
+                states, layer_slots, xs, meta, leaf)
             rows.append([str(B), str(N), fmt(time_eager(conv, device)),
                          fmt(time_graph([conv] * GRAPH_REPEATS, device)), fmt(floor),
-                         fmt(time_graph([commit] * GRAPH_REPEATS, device))])
-    return table(f"tree conv1d, C={C}, W={W}, bf16 (us; graph = {GRAPH_REPEATS} calls under one CUDA graph, per call)",
-                 ["B", "N", "conv eager", "conv graph", "bytes floor", "commit graph"], rows)
+                         fmt(time_graph([commit] * GRAPH_REPEATS, device)),
+                         fmt(time_graph([commit_layers], device) / GRAPH_REPEATS)])
+            del layers, states, layer_slots, xs
+    return table(f"tree conv1d, C={C}, W={W}, bf16 (us; graph = {GRAPH_REPEATS} calls under one CUDA graph, per call; "
+                 f"commit, one launch = tree_conv1d_commit_layers over {GRAPH_REPEATS} layers, per layer)",
+                 ["B", "N", "conv eager", "conv graph", "bytes floor", "commit graph", "commit, one launch"],
+                 rows)
 
 
 def conv_tile_sweep(device, args) -> list[str]:

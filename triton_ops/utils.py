@@ -3,12 +3,15 @@
 Each op's public entry resolves ``backend=`` with :func:`use_triton`, checks its
 arguments with the helpers below (errors name the argument), and its kernels
 test ancestor bits with :func:`bit_is_set`. Checks that read tensor values run
-only where that costs no host sync (:func:`host_readable`).
+only where that costs no host sync (:func:`host_readable`). Ops that serve several
+layers in one launch read the layers' addresses from a :func:`device_table`.
 """
 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import triton
@@ -88,6 +91,82 @@ def output_buffer(
             f"got {list(out.shape)} {out.dtype} on {out.device}"
         )
     return out
+
+
+# Device int64 tables by content (kernels that serve several layers in one launch read
+# their layers' addresses from one). Engine caches never move and a CUDA graph's buffers are
+# fixed, so after the first step a table is found here, and a graph capture, which may not
+# copy from the host, finds it ready. Content-keyed: a hit is right whatever tensors now
+# live at those addresses.
+_DEVICE_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_MAX_DEVICE_TABLES = 32
+
+
+def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """``rows`` as an int64 tensor on ``device``, from the cache when made before (least
+    recently used tables leave first). A new table is a host-to-device copy, which a CUDA
+    graph capture does not allow: run the op once before capturing it."""
+    key = (torch.device(device), tuple(tuple(row) for row in rows))
+    table = _DEVICE_TABLES.get(key)
+    if table is not None:
+        _DEVICE_TABLES.move_to_end(key)
+        return table
+    if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("a new device table is a host-to-device copy, which CUDA graph "
+                           "capture does not allow: run the op once before capturing it")
+    table = torch.tensor(key[1], dtype=torch.int64)
+    if key[0].type == "cuda":  # pinned: the copy does not wait for the stream's queued work
+        table = table.pin_memory().to(device, non_blocking=True)
+    _DEVICE_TABLES[key] = table
+    if len(_DEVICE_TABLES) > _MAX_DEVICE_TABLES:
+        _DEVICE_TABLES.popitem(last=False)
+    return table
+
+
+def layer_offsets(columns: dict[str, Sequence[torch.Tensor]]) -> tuple[torch.Tensor, bool]:
+    """([L, len(columns)] int64 on the tensors' device (:func:`device_table`), aligned):
+    the element offset of each layer's tensor from layer 0's, one column per named kind
+    (e.g. every layer's state pool), and whether every offset is a multiple of 16 bytes
+    (then :func:`layer_tensor` keeps layer 0's alignment, and loads vectorize as they do
+    at layer 0). Kernels that serve several layers in one launch take layer 0's tensors and
+    this table. A layer's tensors must match layer 0's in dtype, shape, strides and device;
+    errors name the kind and the layer."""
+    names = list(columns)
+    layers = {len(tensors) for tensors in columns.values()}
+    if len(layers) != 1 or 0 in layers:
+        raise ValueError(f"{names} must each hold the same number (>= 1) of layers' tensors, "
+                         f"got {[len(tensors) for tensors in columns.values()]}")
+    first = [tensors[0] for tensors in columns.values()]
+    device = first[0].device
+    rows, aligned = [], True
+    for layer in range(layers.pop()):
+        row = []
+        for name, base in zip(names, first):
+            t = columns[name][layer]
+            if (t.dtype, t.shape, t.stride(), t.device) != (base.dtype, base.shape, base.stride(), device):
+                raise ValueError(
+                    f"{name}[{layer}] must match {name}[0]'s dtype, shape, strides and device "
+                    f"({base.dtype} {list(base.shape)} {base.stride()} on {device}), got "
+                    f"{t.dtype} {list(t.shape)} {t.stride()} on {t.device}"
+                )
+            offset, rest = divmod(t.data_ptr() - base.data_ptr(), t.element_size())
+            if rest:
+                raise ValueError(f"{name}[{layer}] must be aligned to its element size "
+                                 f"({t.element_size()} bytes) like {name}[0]")
+            row.append(offset)
+            aligned &= offset * t.element_size() % 16 == 0
+        rows.append(row)
+    return device_table(rows, device), aligned
+
+
+@triton.jit
+def layer_tensor(base, row, column: tl.constexpr, ALIGNED: tl.constexpr):
+    """``base`` (layer 0's pointer) moved to one layer's tensor by entry ``column`` of its
+    row of a :func:`layer_offsets` table; ALIGNED: the table's offsets keep 16 bytes."""
+    offset = tl.load(row + column)
+    if ALIGNED:
+        offset = tl.multiple_of(offset, 16 // (base.dtype.element_ty.primitive_bitwidth // 8))
+    return base + offset
 
 
 def dot_block(n: int) -> int:

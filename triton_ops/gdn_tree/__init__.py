@@ -4,6 +4,7 @@ references."""
 from triton_ops.gdn_tree.chunk import (
     GDNTreeVerifyOutput,
     gdn_tree_commit,
+    gdn_tree_commit_layers,
     gdn_tree_verify,
 )
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
@@ -13,6 +14,7 @@ from triton_ops.gdn_tree.naive import naive_recurrent_gdn_tree
 __all__ = [
     "GDNTreeVerifyOutput",
     "gdn_tree_commit",
+    "gdn_tree_commit_layers",
     "gdn_tree_verify",
     "fused_recurrent_gdn_tree",
     "gdn_gating",

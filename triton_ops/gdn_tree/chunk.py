@@ -21,6 +21,7 @@ batched PyTorch form (:mod:`.chunk_torch`); ``backend=`` overrides the choice.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from triton_ops.utils import (
     check_index_vector,
     check_same_device,
     host_readable,
+    layer_offsets,
     use_triton,
 )
 
@@ -152,6 +154,56 @@ def gdn_tree_commit(
     from triton_ops.gdn_tree.chunk_torch import commit_torch
 
     commit_torch(ssm_state, state_slots, meta, verify_out, accepted_leaf)
+
+
+def gdn_tree_commit_layers(
+    ssm_states: Sequence[torch.Tensor],
+    state_slots: Sequence[torch.Tensor],
+    meta: TreeMetadata,
+    verify_outs: Sequence[GDNTreeVerifyOutput],
+    accepted_leaf: torch.Tensor,
+    *,
+    backend: str = "auto",
+    precision: str = DEFAULT_PRECISION,
+) -> None:
+    """:func:`gdn_tree_commit` of several layers over the same trees (a step's GDN
+    layers), in one kernel launch on the Triton path.
+
+    Args:
+        ssm_states, state_slots, verify_outs: one per layer, each as
+            :func:`gdn_tree_commit` takes it; every layer's of the same dtypes, shapes
+            and strides (the pools themselves may lie anywhere).
+        meta, accepted_leaf, backend, precision: as in :func:`gdn_tree_commit`.
+
+    The launch reaches each layer through a table of its tensors' offsets
+    (:func:`triton_ops.utils.layer_offsets`), made on the first call over these
+    tensors: to capture the commit in a CUDA graph, run it once before.
+    """
+    if not len(ssm_states) == len(state_slots) == len(verify_outs) >= 1:
+        raise ValueError(
+            f"ssm_states, state_slots and verify_outs must hold one entry per layer (at least "
+            f"one), got {len(ssm_states)}, {len(state_slots)} and {len(verify_outs)}"
+        )
+    for ssm_state, slots, out in zip(ssm_states, state_slots, verify_outs):
+        _check_commit_inputs(ssm_state, slots, meta, out, accepted_leaf, precision)
+    if not use_triton(backend, ssm_states[0]):
+        from triton_ops.gdn_tree.chunk_torch import commit_torch
+
+        for ssm_state, slots, out in zip(ssm_states, state_slots, verify_outs):
+            commit_torch(ssm_state, slots, meta, out, accepted_leaf)
+        return
+    from triton_ops.gdn_tree.chunk_triton import commit_triton
+
+    # Columns in the commit kernel's argument order.
+    layers = layer_offsets({
+        "ssm_states": ssm_states,
+        "state_slots": state_slots,
+        "verify_outs.delta": [out.delta for out in verify_outs],
+        "verify_outs.gate_sum": [out.gate_sum for out in verify_outs],
+        "verify_outs.k_normed": [out.k_normed for out in verify_outs],
+    })
+    commit_triton(ssm_states[0], state_slots[0], meta, verify_outs[0], accepted_leaf, precision,
+                  layers=layers)
 
 
 def _check_slots(state_slots: torch.Tensor, batch: int, num_slots: int) -> None:

@@ -78,7 +78,7 @@ import triton.language as tl
 
 from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
 from triton_ops.tree_metadata import TreeMetadata
-from triton_ops.utils import bit_is_set, dot_block, interpreting
+from triton_ops.utils import bit_is_set, dot_block, interpreting, layer_tensor
 
 ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
@@ -825,15 +825,26 @@ def _verify_output_kernel(
 
 @triton.jit
 def _commit_kernel(
-    state, slots, leaves, words, delta, gate_sum, k_normed,
+    state, slots, leaves, words, delta, gate_sum, k_normed, offsets,
     stride_ss, stride_sh, stride_sk, stride_sv,
     N, HV, K, V, W,
     GROUP: tl.constexpr, NP: tl.constexpr, PEEL: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, LAYERS: tl.constexpr, ALIGNED: tl.constexpr,
 ):
     # PEEL: node 0's term is an outer product of its own and the tile covers nodes
     # 1 .. N - 1, NP = dot_block(N - 1) rows (65 nodes: 64 rows instead of 128).
+    # LAYERS: axis 0 also runs over layers, each reached by its row of ``offsets``
+    # (chunk.gdn_tree_commit_layers: elements from layer 0's tensors, in argument order).
     i_v = tl.program_id(0)
+    if LAYERS:
+        v_blocks = tl.cdiv(V, BV)
+        row = offsets + (i_v // v_blocks) * 5
+        i_v = i_v % v_blocks
+        state = layer_tensor(state, row, 0, ALIGNED)
+        slots = layer_tensor(slots, row, 1, ALIGNED)
+        delta = layer_tensor(delta, row, 2, ALIGNED)
+        gate_sum = layer_tensor(gate_sum, row, 3, ALIGNED)
+        k_normed = layer_tensor(k_normed, row, 4, ALIGNED)
     i_k = tl.program_id(1)
     i_bh = tl.program_id(2)
     b = (i_bh // HV).to(tl.int64)
@@ -967,10 +978,13 @@ def commit_triton(
     block_k: int | None = None,
     block_v: int | None = None,
     num_warps: int = 4,
+    layers: tuple[torch.Tensor, bool] | None = None,
 ) -> None:
     """Launch the commit kernel; ``block_k``, ``block_v`` (powers of two from 16: the state
     tile a program updates, at most 64 each by default) and ``num_warps`` are tuning knobs
-    for benchmarks."""
+    for benchmarks. With ``layers`` (the [L, 5] table and alignment of
+    :func:`triton_ops.utils.layer_offsets`, made by :func:`.chunk.gdn_tree_commit_layers`)
+    the launch commits L layers, the arguments being layer 0's."""
     B, N, HV, V = out.delta.shape
     H, K = out.k_normed.shape[2], out.k_normed.shape[3]
     # Node 0 apart where that shrinks the node tile (the engine's 1 + 2^k nodes).
@@ -978,9 +992,13 @@ def commit_triton(
     BK = block_k or min(dot_block(K), 64)
     BV = block_v or min(dot_block(V), 64)
     words = meta.ancestor_words.contiguous()
-    _commit_kernel[(triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
+    # One launch for every layer: ~48 latency-bound launches of ~11 us at batch 1 become
+    # one whose programs fill the GPU. Without layers, ``offsets`` is never read.
+    offsets, aligned = (accepted_leaf, False) if layers is None else layers
+    num_layers = 1 if layers is None else offsets.shape[0]
+    _commit_kernel[(num_layers * triton.cdiv(V, BV), triton.cdiv(K, BK), B * HV)](
         ssm_state, state_slots, accepted_leaf, words, out.delta, out.gate_sum, out.k_normed,
-        *ssm_state.stride(), N, HV, K, V, words.shape[-1],
+        offsets, *ssm_state.stride(), N, HV, K, V, words.shape[-1],
         GROUP=HV // H, NP=dot_block(N - peel), PEEL=peel, BK=BK, BV=BV, PREC=precision,
-        num_warps=num_warps,
+        LAYERS=layers is not None, ALIGNED=aligned, num_warps=num_warps,
     )

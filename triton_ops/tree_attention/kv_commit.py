@@ -24,17 +24,18 @@ from triton_ops.tree_attention.paged import (
     write_rows,
 )
 from triton_ops.tree_metadata import TreeMetadata, check_accepted_leaf
-from triton_ops.utils import bit_is_set, check_same_device, host_readable, use_triton
+from triton_ops.utils import (
+    bit_is_set,
+    check_same_device,
+    device_table,
+    host_readable,
+    use_triton,
+)
 
 # Element copies move raw bits, so fp8 caches (often held as uint8) work too.
 _BITS_TYPE = {1: tl.int8, 2: tl.int16, 4: tl.int32}
 CACHE_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn,
                 torch.float8_e5m2, torch.uint8)
-# Device tables of cache base pointers, keyed by the pointers themselves. Engine
-# caches never move, so after the first step no host-to-device copy is needed
-# (and a CUDA-graph capture finds the table ready).
-_POINTER_TABLES: dict[tuple, torch.Tensor] = {}
-_MAX_POINTER_TABLES = 16
 
 
 @triton.jit
@@ -70,18 +71,6 @@ def _tree_kv_commit_kernel(
                           mask=mask)
             tl.store(cache + dst_block * stride_cb + (dst % block_size) * stride_ct + within_row,
                      row, mask=mask)
-
-
-def _pointer_table(caches: list[torch.Tensor]) -> torch.Tensor:
-    key = (caches[0].device, *(cache.data_ptr() for cache in caches))
-    table = _POINTER_TABLES.get(key)
-    if table is None:
-        if len(_POINTER_TABLES) >= _MAX_POINTER_TABLES:
-            _POINTER_TABLES.pop(next(iter(_POINTER_TABLES)))
-        table = torch.tensor([cache.data_ptr() for cache in caches], dtype=torch.int64,
-                             device=caches[0].device)
-        _POINTER_TABLES[key] = table
-    return table
 
 
 def tree_kv_commit(
@@ -159,7 +148,8 @@ def tree_kv_commit(
         by_strides.setdefault(cache.stride(), []).append(cache)
     for strides, group in by_strides.items():
         _tree_kv_commit_kernel[(B, len(group), triton.cdiv(row_elems, BLOCK))](
-            _pointer_table(group), block_table, prefix_lens, accepted_leaf, meta.depths, words,
+            device_table([[cache.data_ptr()] for cache in group], device), block_table,
+            prefix_lens, accepted_leaf, meta.depths, words,
             block_size, row_elems, D,
             *block_table.stride(), *meta.depths.stride(), *words.stride(), *strides,
             ELEM=_BITS_TYPE[first.element_size()], BLOCK=BLOCK,

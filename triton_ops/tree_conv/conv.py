@@ -9,6 +9,8 @@ FMAs per channel; nothing speculative is written to the conv state until
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import triton
 import triton.language as tl
@@ -19,6 +21,8 @@ from triton_ops.utils import (
     check_index_vector,
     check_same_device,
     host_readable,
+    layer_offsets,
+    layer_tensor,
     output_buffer,
     use_triton,
 )
@@ -86,15 +90,21 @@ def _tree_conv1d_kernel(
 
 @triton.jit
 def _tree_conv1d_commit_kernel(
-    state_ptr, slots_ptr, x_ptr, sources_ptr, leaf_ptr,
+    state_ptr, slots_ptr, x_ptr, sources_ptr, leaf_ptr, offsets_ptr,
     C,
     stride_ss, stride_sc, stride_st,
     stride_xb, stride_xn, stride_xc,
     stride_qb, stride_qn, stride_qt,
-    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, LAYERS: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    if LAYERS:  # axis 2: the layer, reached by its row of tree_conv1d_commit_layers' table
+        row = offsets_ptr + tl.program_id(2) * 3
+        state_ptr = layer_tensor(state_ptr, row, 0, ALIGNED)
+        slots_ptr = layer_tensor(slots_ptr, row, 1, ALIGNED)
+        x_ptr = layer_tensor(x_ptr, row, 2, ALIGNED)
     leaf = tl.load(leaf_ptr + b).to(tl.int64)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     if (leaf >= 0) & (slot >= 0):
@@ -253,28 +263,76 @@ def tree_conv1d_commit(
     the slot bit-identical. Shapes as in :func:`tree_conv1d`; ``accepted_leaf``
     is [B] int32/int64.
     """
-    B, N, C, W = _check_common(x, conv_state, state_slots, meta)
+    _check_commit(conv_state, state_slots, x, meta, accepted_leaf)
+    if use_triton(backend, x):
+        _launch_commit(conv_state, state_slots, x, meta, accepted_leaf)
+    else:
+        _commit_torch(conv_state, state_slots, x, meta, accepted_leaf)
+
+
+def tree_conv1d_commit_layers(
+    conv_states: Sequence[torch.Tensor],
+    state_slots: Sequence[torch.Tensor],
+    xs: Sequence[torch.Tensor],
+    meta: TreeMetadata,
+    accepted_leaf: torch.Tensor,
+    backend: str = "auto",
+) -> None:
+    """:func:`tree_conv1d_commit` of several layers over the same trees, in one kernel
+    launch on the Triton path. ``conv_states``, ``state_slots``, ``xs``: one per layer,
+    every layer's of the same dtypes, shapes and strides. The launch reaches each layer
+    through a table of its tensors' offsets (:func:`triton_ops.utils.layer_offsets`), made
+    on the first call over these tensors: to capture the commit in a CUDA graph, run it
+    once before."""
+    if not len(conv_states) == len(state_slots) == len(xs) >= 1:
+        raise ValueError(
+            f"conv_states, state_slots and xs must hold one entry per layer (at least one), "
+            f"got {len(conv_states)}, {len(state_slots)} and {len(xs)}"
+        )
+    for conv_state, slots, x in zip(conv_states, state_slots, xs):
+        _check_commit(conv_state, slots, x, meta, accepted_leaf)
+    if not use_triton(backend, xs[0]):
+        for conv_state, slots, x in zip(conv_states, state_slots, xs):
+            _commit_torch(conv_state, slots, x, meta, accepted_leaf)
+        return
+    # Columns in the commit kernel's argument order.
+    layers = layer_offsets({"conv_states": conv_states, "state_slots": state_slots, "xs": xs})
+    _launch_commit(conv_states[0], state_slots[0], xs[0], meta, accepted_leaf, layers)
+
+
+def _check_commit(conv_state, state_slots, x, meta, accepted_leaf) -> None:
+    _check_common(x, conv_state, state_slots, meta)
     check_same_device("x", x, accepted_leaf=accepted_leaf)
     check_accepted_leaf(accepted_leaf, meta)
 
-    if not use_triton(backend, x):
-        rows = ((accepted_leaf >= 0) & (state_slots >= 0)).nonzero().squeeze(1)
-        if rows.numel() == 0:
-            return
-        leaf = accepted_leaf[rows].long()
-        # Column c of the new state (oldest to newest) is tap W-2-c of the leaf.
-        taps = meta.conv_sources[rows, leaf, : W - 1].flip(-1).long() + (W - 1)
-        inputs = _inputs_with_state(x[rows], conv_state, state_slots[rows])
-        new_columns = torch.gather(inputs, 1, taps.unsqueeze(-1).expand(-1, -1, C))
-        conv_state[state_slots[rows].long()] = new_columns.transpose(1, 2).to(conv_state.dtype)
-        return
 
+def _commit_torch(conv_state, state_slots, x, meta, accepted_leaf) -> None:
+    W = meta.conv_width
+    rows = ((accepted_leaf >= 0) & (state_slots >= 0)).nonzero().squeeze(1)
+    if rows.numel() == 0:
+        return
+    leaf = accepted_leaf[rows].long()
+    # Column c of the new state (oldest to newest) is tap W-2-c of the leaf.
+    taps = meta.conv_sources[rows, leaf, : W - 1].flip(-1).long() + (W - 1)
+    inputs = _inputs_with_state(x[rows], conv_state, state_slots[rows])
+    new_columns = torch.gather(inputs, 1, taps.unsqueeze(-1).expand(-1, -1, x.shape[-1]))
+    conv_state[state_slots[rows].long()] = new_columns.transpose(1, 2).to(conv_state.dtype)
+
+
+def _launch_commit(conv_state, state_slots, x, meta, accepted_leaf, layers=None) -> None:
+    """The commit kernel over one layer, or over every layer of ``layers`` (the [L, 3]
+    table and alignment of tree_conv1d_commit_layers; the arguments being layer 0's)."""
+    B, N, C = x.shape
+    W = meta.conv_width
     BLOCK_C = min(256, triton.next_power_of_2(C))
     sources = meta.conv_sources
-    _tree_conv1d_commit_kernel[(triton.cdiv(C, BLOCK_C), B)](
-        conv_state, state_slots, x, sources, accepted_leaf,
+    # Without layers, ``offsets`` is never read.
+    offsets, aligned = (accepted_leaf, False) if layers is None else layers
+    num_layers = 1 if layers is None else offsets.shape[0]
+    _tree_conv1d_commit_kernel[(triton.cdiv(C, BLOCK_C), B, num_layers)](
+        conv_state, state_slots, x, sources, accepted_leaf, offsets,
         C,
         *conv_state.stride(), *x.stride(), *sources.stride(),
         W=W, BLOCK_T=triton.next_power_of_2(W - 1), BLOCK_C=BLOCK_C,
-        num_warps=4,
+        LAYERS=layers is not None, ALIGNED=aligned, num_warps=4,
     )

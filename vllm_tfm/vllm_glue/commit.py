@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_tfm.vllm_glue.attention import cpu_key_value_views
+from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord
 
 # Attention backends whose paged caches the tree kernels read.
 TREE_ATTENTION_BACKENDS = ("CPU_ATTN", "TRITON_ATTN")
@@ -89,23 +90,34 @@ def commit_step(runner, step) -> None:
     commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
 
 
-def commit_gdn_records(records, accepted_leaf: torch.Tensor) -> None:
+def commit_gdn_records(records, accepted_leaf: torch.Tensor, backend: str = "auto") -> None:
     """Advance each GDN layer's recurrent and conv state of its requests along their
-    accepted paths (``accepted_leaf`` [R], by the step's requests)."""
-    from triton_ops.gdn_tree import gdn_tree_commit
-    from triton_ops.tree_conv import tree_conv1d_commit
+    accepted paths (``accepted_leaf`` [R], by the step's requests).
 
-    # The GDN layers of a step share their requests tensor: one gather for all of them.
-    leaves: dict[int, torch.Tensor] = {}
+    The layers that share their requests and tensor layouts (all of a step's) commit
+    together: on the Triton path one launch for every layer's recurrent state and one for
+    every layer's conv state, where two per layer would be 96 latency-bound kernels a step
+    at Qwen3.6-27B's 48 GDN layers. Their offset tables are made by the first commit over a
+    graph's buffers (the eager one before its capture) and found by the captured one.
+    """
+    from triton_ops.gdn_tree import gdn_tree_commit_layers
+    from triton_ops.tree_conv import tree_conv1d_commit_layers
+
+    groups: dict[tuple, list[GDNCommitRecord]] = {}
     for record in records:
-        record_leaf = leaves.get(id(record.requests))
-        if record_leaf is None:
-            record_leaf = leaves[id(record.requests)] = accepted_leaf.index_select(
-                0, record.requests)
-        gdn_tree_commit(record.ssm_state, record.slots, record.meta, record.verify_out,
-                        record_leaf)
-        tree_conv1d_commit(record.conv_state, record.slots, record.conv_inputs,
-                           record.meta, record_leaf)
+        tensors = (record.ssm_state, record.slots, record.conv_state, record.conv_inputs,
+                   *vars(record.verify_out).values())
+        layout = tuple((t.dtype, t.shape, t.stride()) for t in tensors)
+        groups.setdefault((id(record.requests), layout), []).append(record)
+    for group in groups.values():
+        first = group[0]
+        slots = [record.slots for record in group]
+        leaf = accepted_leaf.index_select(0, first.requests)
+        gdn_tree_commit_layers([record.ssm_state for record in group], slots, first.meta,
+                               [record.verify_out for record in group], leaf, backend=backend)
+        tree_conv1d_commit_layers([record.conv_state for record in group], slots,
+                                  [record.conv_inputs for record in group], first.meta, leaf,
+                                  backend=backend)
 
 
 def written_requests(step) -> list[int]:
