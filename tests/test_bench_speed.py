@@ -141,6 +141,7 @@ def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
     assert "propose" in profiles["profile_dflash_tfm_k_8_B2.txt"]
     assert all("torch profiler, 2 steps" in text for text in profiles.values())
     assert all("kernels by phase, per step" in text for text in profiles.values())
+    assert all("Triton variants of our kernels" in text for text in profiles.values())
     saved = json.loads((tmp_path / "bench_speed.json").read_text())
     by_method = {r["method"]: r for r in saved["results"]}
     assert [(c["batch"], c["tree"], c["budget"]) for c in by_method[TFM]["cells"]] == [

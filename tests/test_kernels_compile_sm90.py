@@ -11,13 +11,12 @@ run, and each is compiled with the argument types and constexprs it was launched
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
-import pkgutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,7 +24,6 @@ import triton.language as tl
 from test_tree_attention import make_paged_batch
 from triton.runtime.interpreter import InterpretedFunction
 
-import triton_ops
 import triton_ops.gdn_tree.chunk_triton as chunk_triton
 import triton_ops.tree_metadata as tree_metadata
 from triton_ops.counter_random import counter_gumbel, counter_uniform
@@ -33,7 +31,7 @@ from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit, gdn_tr
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
-from triton_ops.testing import random_tree_batch, random_tree_metadata
+from triton_ops.testing import compiled_variants, random_tree_batch, random_tree_metadata, triton_kernels
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
 from triton_ops.traversal import traversal_law, walk_choices
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit, tree_conv1d_commit_layers
@@ -261,12 +259,22 @@ def recorded_launches(case: str, gen, monkeypatch) -> list:
 
 
 def test_the_cases_launch_every_kernel(gen, monkeypatch):
-    kernels = {name for module_info in pkgutil.walk_packages(triton_ops.__path__, "triton_ops.")
-               for name, value in vars(importlib.import_module(module_info.name)).items()
-               if isinstance(value, InterpretedFunction) and name.endswith("_kernel")}
+    kernels = {name.split(":")[1] for name in triton_kernels()}
+    assert len(kernels) == len(triton_kernels()) > 20  # every kernel, each name once
     launched = {fn.__name__ for case in CASES
                 for fn, _, _ in recorded_launches(case, gen, monkeypatch)}
     assert kernels == launched
+
+
+def test_compiled_variants_list_each_kernels_cache_entries():
+    """What bench_speed --profile and bench_kernels --variants print: a line per compiled
+    variant (Triton's per-device cache of a JITFunction: kernel cache first), with
+    registers and spills once the kernel was loaded; nothing for interpreted kernels."""
+    loaded = SimpleNamespace(n_regs=168, n_spills=0)
+    jit = SimpleNamespace(device_caches={0: ({"key-a": loaded, "key-b": object()}, {}, None, None, None)})
+    assert compiled_variants({"m:_a_kernel": jit}) == [
+        "m:_a_kernel (device 0, n_regs 168, n_spills 0): key-a", "m:_a_kernel (device 0): key-b"]
+    assert compiled_variants() == []  # interpreted here: nothing compiled
 
 
 def compile_launches(launches: list) -> list[dict]:

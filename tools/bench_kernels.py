@@ -51,7 +51,7 @@ from triton_ops.gdn_tree import (
 )
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
 from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
-from triton_ops.testing import random_tree_metadata, rel_err, same_bits
+from triton_ops.testing import compiled_variants, random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
     naive_tree_kv_commit,
@@ -1140,6 +1140,10 @@ def main() -> int:
     parser.add_argument("--sweep-kernel", default="default",
                         help=f"GDN sweep: the verify kernel whose launch configurations it times, one of "
                              f"{('default', *VERIFY_KERNELS)} (default: the dispatch by N and batch)")
+    parser.add_argument("--variants", action="store_true",
+                        help="end with every variant of our kernels compiled (cache key: argument "
+                             "specialisation and constexprs; registers, spills), to compare with "
+                             "the engine's (bench_speed --profile)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()
@@ -1179,6 +1183,10 @@ def main() -> int:
         lines += gdn_launches_for_profiler(args.device, args.kernels)
     for name in only:
         lines += FAMILIES[name](args)
+    if args.variants:
+        variants = ["", "Triton variants compiled (ours):", *compiled_variants()]
+        print("\n".join(variants), flush=True)
+        lines += variants
     lines.append(f"total {time.monotonic() - started:.0f} s; "
                  + (f"CORRECTNESS FAILED: {args.failed}" if args.failed else "all checks ok"))
     print(lines[-1])

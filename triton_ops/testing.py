@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import triton
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
@@ -93,3 +94,35 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-identical contents (NaN payloads included), whatever the dtype."""
     return torch.equal(a.cpu().flatten().view(torch.uint8), b.cpu().flatten().view(torch.uint8))
+
+
+def triton_kernels() -> dict[str, object]:
+    """Every Triton kernel of ``triton_ops`` by name (``module:name``): the ``@triton.jit``
+    functions whose names end in ``_kernel``."""
+    import importlib
+    import pkgutil
+
+    import triton_ops
+
+    kernels = {}
+    for info in pkgutil.walk_packages(triton_ops.__path__, "triton_ops."):
+        for name, value in vars(importlib.import_module(info.name)).items():
+            if name.endswith("_kernel") and isinstance(value, triton.runtime.jit.KernelInterface):
+                kernels[f"{info.name}:{name}"] = value
+    return kernels
+
+
+def compiled_variants(kernels: dict[str, object] | None = None) -> list[str]:
+    """One line per variant of our kernels this process has compiled (all of
+    :func:`triton_kernels` by default): the kernel, its cache key (the argument types,
+    Triton's specialisation of the arguments: divisible by 16, equal to 1, and the
+    constexprs) and, once launched, its registers and spills. Two processes that ran the
+    same op with other arguments (the engine, the kernel bench) compare here."""
+    lines = []
+    for name, kernel in (triton_kernels() if kernels is None else kernels).items():
+        for device, caches in getattr(kernel, "device_caches", {}).items():
+            for key, compiled in caches[0].items():
+                usage = ", ".join(f"{attr} {getattr(compiled, attr)}" for attr in ("n_regs", "n_spills")
+                                  if getattr(compiled, attr, None) is not None)
+                lines.append(f"{name} (device {device}{', ' + usage if usage else ''}): {key}")
+    return lines

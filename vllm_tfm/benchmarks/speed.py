@@ -240,6 +240,12 @@ def _collect(worker):
     return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
 
 
+def _compiled_variants(worker) -> list[str]:
+    from triton_ops.testing import compiled_variants
+
+    return compiled_variants()
+
+
 def _set_tree(worker, tree: str, budget: int | None) -> bool:
     """The benchmark's switch (see vllm_glue/proposer.py): this tree kind, and either one
     budget for every batch or (None) the engine's own budget rule; then the proposer
@@ -429,6 +435,10 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     for key in ("self_device_time_total", "self_cpu_time_total"):
         text.write(events.table(sort_by=key, row_limit=40) + "\n")
     text.write(kernels_by_phase(trace.events(), steps) + "\n")
+    variants = session.llm.collective_rpc(_compiled_variants)[0]
+    text.write("\nTriton variants of our kernels compiled in the engine's process so far (cache "
+               "key: argument specialisation, constexprs; registers, spills):\n"
+               + "\n".join(variants) + "\n")
     path.write_text(text.getvalue())
 
 
