@@ -1,6 +1,7 @@
-"""tools/bench_kernels.py end to end on CPU (``--smoke``: every family at tiny shapes in
-Triton's interpreter). A device call runs the tool as it is, so a crash costs device time:
-here every family's checks run, and the tables it saves are the ones the GPU fills."""
+"""tools/bench_kernels.py end to end on CPU (``--smoke``: every family and sweep at tiny
+shapes in Triton's interpreter). A device call runs the tool as it is, so a crash costs
+device time: here every family's checks run, and the tables it saves are the ones the GPU
+fills."""
 
 import os
 import subprocess
@@ -13,15 +14,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_smoke_run_checks_every_family_and_saves_its_tables(tmp_path):
     out = tmp_path / "kernels.md"
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--smoke", "--variants",
-         "--out", str(out)],
+        [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--smoke", "--sweep",
+         "--variants", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
         env={**os.environ, "TRITON_INTERPRET": "1"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     text = out.read_text()
     assert text.rstrip().endswith("all checks ok")
-    # The one-launch commits: timed beside the per-layer ones, checked bit for bit.
-    assert "commit, one launch" in text
+    # The one-launch commits: timed beside the per-layer ones (and per commit tile), checked
+    # bit for bit.
+    assert "commit, one launch" in text and "a launch per layer, and all in one launch" in text
     assert text.count("conv commit, 2 layers in one launch") == 6
     assert "Triton variants compiled (ours):" in text

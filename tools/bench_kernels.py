@@ -49,7 +49,7 @@ from triton_ops.gdn_tree import (
     gdn_tree_verify,
     naive_recurrent_gdn_tree,
 )
-from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
+from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS, commit_layer_table
 from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
 from triton_ops.testing import compiled_variants, random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
@@ -73,6 +73,8 @@ from vllm_tfm.drafting.verifiers import (
 )
 
 L2_BYTES = 60 << 20
+# Qwen3.6-27B's GDN layers: what one commit launch serves in the engine.
+MODEL_GDN_LAYERS = 48
 
 
 # --- timing helpers ----------------------------------------------------------------------
@@ -563,26 +565,29 @@ COMMIT_SWEEP = [(64, 64, 4), (64, 32, 4), (32, 64, 4), (32, 32, 4), (32, 32, 2),
 
 
 def gdn_commit_sweep(device, args, deadline: float) -> list[str]:
-    """Commit time per state tile and warps (CUDA graph), each checked against the default's
-    committed states first (``--smoke``: tiny shapes, the checks alone)."""
+    """Commit time per state tile and warps (CUDA graph) over the model's 48 GDN layers, a
+    launch per layer and all in one launch (the engine's), each tile checked against the
+    default's committed states first (``--smoke``: tiny shapes, the checks alone)."""
     if not args.sweep:
         return []
     H, HV, K, V = (2, 4, 32, 32) if args.smoke else (16, 48, 128, 128)
     shapes = ((17, 1), (9, 2)) if args.smoke else ((65, 1), (64, 1), (17, 8), (65, 8), (17, 32))
+    num_layers = 2 if args.smoke else MODEL_GDN_LAYERS
     rows = []
     gen = torch.Generator().manual_seed(5)
     for N, B in shapes:
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
-        sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
+        sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(num_layers)]
         outs = [gdn_tree_verify(*s, meta) for s in sets]
+        layers = commit_layer_table([s[5] for s in sets], [s[6] for s in sets], outs)
         leaf = torch.full((B,), N - 1, device=device)
         for bk, bv, warps in COMMIT_SWEEP:
             if time.monotonic() > deadline:
                 break
 
-            def call(s, out, bk=bk, bv=bv, warps=warps):
+            def call(s, out, bk=bk, bv=bv, warps=warps, layers=None):
                 commit_triton(s[5], s[6], meta, out, leaf, DEFAULT_PRECISION, block_k=bk,
-                              block_v=bv, num_warps=warps)
+                              block_v=bv, num_warps=warps, layers=layers)
 
             label = f"commit BK={bk} BV={bv} warps={warps} (N={N}, B={B})"
             pool = sets[0][5]
@@ -596,9 +601,14 @@ def gdn_commit_sweep(device, args, deadline: float) -> list[str]:
                 continue
             us = guarded(label, lambda: time_graph([lambda s=s, o=o: call(s, o)
                                                     for s, o in zip(sets, outs)], device))
-            rows.append([str(N), str(B), str(bk), str(bv), str(warps), fmt_err(error), fmt(us)])
-    return table("GDN tree commit state tiles (us per layer, CUDA graph; error vs the default tile)",
-                 ["N", "B", "BK", "BV", "warps", "rel err", "graph"], rows)
+            one_launch = guarded(label + ", one launch", lambda: time_graph(
+                [lambda: call(sets[0], outs[0], layers=layers)], device) / num_layers)
+            rows.append([str(N), str(B), str(bk), str(bv), str(warps), fmt_err(error), fmt(us),
+                         fmt(one_launch)])
+        del sets, outs
+    return table(f"GDN tree commit state tiles (us per layer, CUDA graph over {num_layers} layers: a "
+                 "launch per layer, and all in one launch; error vs the default tile)",
+                 ["N", "B", "BK", "BV", "warps", "rel err", "graph", "one launch"], rows)
 
 
 def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:

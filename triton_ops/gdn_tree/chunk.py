@@ -194,16 +194,25 @@ def gdn_tree_commit_layers(
         return
     from triton_ops.gdn_tree.chunk_triton import commit_triton
 
+    commit_triton(ssm_states[0], state_slots[0], meta, verify_outs[0], accepted_leaf, precision,
+                  layers=commit_layer_table(ssm_states, state_slots, verify_outs))
+
+
+def commit_layer_table(
+    ssm_states: Sequence[torch.Tensor],
+    state_slots: Sequence[torch.Tensor],
+    verify_outs: Sequence[GDNTreeVerifyOutput],
+) -> tuple[torch.Tensor, bool]:
+    """The [L, 5] offsets table (and its alignment) through which one commit launch
+    reaches L layers' tensors (:func:`triton_ops.utils.layer_offsets`)."""
     # Columns in the commit kernel's argument order.
-    layers = layer_offsets({
+    return layer_offsets({
         "ssm_states": ssm_states,
         "state_slots": state_slots,
         "verify_outs.delta": [out.delta for out in verify_outs],
         "verify_outs.gate_sum": [out.gate_sum for out in verify_outs],
         "verify_outs.k_normed": [out.k_normed for out in verify_outs],
     })
-    commit_triton(ssm_states[0], state_slots[0], meta, verify_outs[0], accepted_leaf, precision,
-                  layers=layers)
 
 
 def _check_slots(state_slots: torch.Tensor, batch: int, num_slots: int) -> None:
