@@ -27,3 +27,5 @@ def test_smoke_run_checks_every_family_and_saves_its_tables(tmp_path):
     assert "commit, one launch" in text and "a launch per layer, and all in one launch" in text
     assert text.count("conv commit, 2 layers in one launch") == 6
     assert "Triton variants compiled (ours):" in text
+    # The dense part of a tree forward: F.linear checked at every token count, then tabled.
+    assert "F.linear bf16, M=520" in text and "linear layers by token count M" in text

@@ -1,7 +1,7 @@
 """Kernel benchmarks, one tool for every tree-op family: correctness on the device first,
 then one timing table per family.
 
-    python tools/bench_kernels.py [--only gdn,conv,attn,verify] [--out FILE] [--sweep] [--smoke]
+    python tools/bench_kernels.py [--only gdn,conv,attn,verify,gemm] [--out FILE] [--sweep] [--smoke]
     ncu --clock-control none -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn
 
 (ncu writes its report when the program exits: a run cut by a timeout leaves none, so bound
@@ -12,7 +12,8 @@ kernel on a chain of the same N and vLLM's own GDN spec-decode kernel at the sam
 count, where importable), ``conv`` (tree conv1d and its commit), ``attn`` (tree attention
 against SDPA, and the tree KV commit), ``verify`` (the sampled verifiers, traversal and
 target-only, with their per-node sweeps as the PyTorch path and as triton_ops.traversal's
-kernels, eager: model runner V2 verifies outside its graphs). Each family is one ``bench_<family>(args)`` function
+kernels, eager: model runner V2 verifies outside its graphs), ``gemm`` (Qwen3.6-27B's linear
+layers, cuBLAS through F.linear, by token count: the dense part of a tree forward). Each family is one ``bench_<family>(args)`` function
 that checks, times and returns its printed lines; ``main`` runs the selected ones and prints
 (and with ``--out`` saves) every table. ``--sweep`` adds the launch-configuration sweeps.
 ``--smoke`` runs tiny shapes on CPU under ``TRITON_INTERPRET=1`` with wall-clock timing, to
@@ -1109,6 +1110,77 @@ def bench_verify(args) -> list[str]:
     return run_sections("verify", [lambda: verify_table(args.device, args)], args)
 
 
+# --- the target's linear layers by token count -------------------------------------------
+
+
+def target_linears(config: dict) -> list[tuple[str, int, int, int]]:
+    """(name, in features, out features, layers per forward) of a qwen3_5_text config's
+    matrix products (attention with its output gate, as Qwen3.5 / 3.6 have)."""
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    attention_layers = layers // config["full_attention_interval"]
+    gdn_layers = layers - attention_layers
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    query = config["num_attention_heads"] * config["head_dim"]
+    kv = config["num_key_value_heads"] * config["head_dim"]
+    return [
+        ("gdn qkvz", hidden, 2 * key + 2 * value, gdn_layers),
+        ("gdn ba", hidden, 2 * config["linear_num_value_heads"], gdn_layers),
+        ("gdn out", value, hidden, gdn_layers),
+        ("attn qkv", hidden, 2 * query + 2 * kv, attention_layers),
+        ("attn o", query, hidden, attention_layers),
+        ("mlp gate_up", hidden, 2 * config["intermediate_size"], layers),
+        ("mlp down", config["intermediate_size"], hidden, layers),
+        ("lm head", hidden, config["vocab_size"], 1),
+    ]
+
+
+def gemm_table(device, args) -> list[str]:
+    """Each linear layer of Qwen3.6-27B at M tokens (F.linear, the call vLLM's unquantized
+    layers make), and their sum over one target forward: what M - 1 tree nodes cost in the
+    dense part of the step against one decode token."""
+    from vllm_tfm.training.bench_training import QWEN36_27B_TARGET
+
+    config = dict(QWEN36_27B_TARGET)
+    if args.smoke:
+        config.update(hidden_size=64, intermediate_size=96, num_hidden_layers=4, vocab_size=512,
+                      head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16)
+    linears = target_linears(config)
+    tokens = args.gemm_tokens
+    gen = torch.Generator().manual_seed(14)
+    widest = max(fan_in for _, fan_in, _, _ in linears)
+    x_all = torch.randn(max(tokens), widest, generator=gen).to(device, torch.bfloat16)
+    # F.linear against float64 at each M: a broken path must not time well.
+    checks, failed = [], []
+    w = (torch.randn(96, widest, generator=gen) / widest**0.5).to(device, torch.bfloat16)
+    for M in tokens:
+        x = x_all[:M]
+        check_row(checks, failed, f"F.linear bf16, M={M}",
+                  rel_err(torch.nn.functional.linear(x, w).double(), x.double() @ w.double().t()), 1e-2)
+    args.failed += failed
+    times = {}
+    for name, fan_in, fan_out, _ in linears:
+        weights = [torch.randn(fan_out, fan_in, device=device, dtype=torch.bfloat16)
+                   for _ in range(layers_for(2 * fan_in * fan_out))]
+        for M in tokens:
+            x = x_all[:M, :fan_in]
+            fns = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
+            fns *= max(1, GRAPH_REPEATS // len(fns))
+            times[name, M] = guarded(f"{name} M={M}", lambda: time_graph(fns, device))
+        del weights
+    forward = {M: sum(times[name, M] * count for name, _, _, count in linears) / 1e3 for M in tokens}
+    rows = [[str(M), *(fmt(times[name, M]) for name, *_ in linears), fmt(forward[M], 2),
+             fmt(forward[M] / forward[tokens[0]], 2)] for M in tokens]
+    return [*table("F.linear correctness (relative error against float64)", ["case", "error", "tol", ""], checks),
+            *table(f"Qwen3.6-27B's linear layers by token count M (us per layer, graph; forward = "
+                   f"their sum over {config['num_hidden_layers']} layers and the LM head, ms; ratio to "
+                   f"M = {tokens[0]})", ["M", *(name for name, *_ in linears), "forward ms", "ratio"], rows)]
+
+
+def bench_gemm(args) -> list[str]:
+    return run_sections("gemm", [lambda: gemm_table(args.device, args)], args)
+
+
 # --- driver -----------------------------------------------------------------------------------
 
 
@@ -1127,7 +1199,8 @@ def run_sections(family: str, sections: list, args) -> list[str]:
     return lines
 
 
-FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention, "verify": bench_verify}
+FAMILIES = {"gdn": bench_gdn, "conv": bench_conv, "attn": bench_attention, "verify": bench_verify,
+            "gemm": bench_gemm}
 
 
 def main() -> int:
@@ -1154,6 +1227,9 @@ def main() -> int:
                         help="end with every variant of our kernels compiled (cache key: argument "
                              "specialisation and constexprs; registers, spills), to compare with "
                              "the engine's (bench_speed --profile)")
+    parser.add_argument("--gemm-tokens", type=int, nargs="+",
+                        default=[1, 8, 16, 17, 32, 33, 48, 64, 65, 72, 80, 96, 128, 129, 136, 256, 520],
+                        help="gemm: the token counts M (the first is the ratios' base)")
     parser.add_argument("--budget-s", type=float, default=360.0,
                         help="GDN, attention: stop starting new timings after this many seconds")
     args = parser.parse_args()
