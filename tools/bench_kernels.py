@@ -388,6 +388,23 @@ def check_table_errors(failed: list, name: str, verify_err: float, commit_err: f
         failed.append(name)
 
 
+def verify_between_gemms(sets, meta, device) -> float:
+    """Microseconds of a verify that runs, as in the model, right after a GEMM of the GDN
+    layer's input projection (hidden 5120 -> 16384, which streams 168 MB of weights through
+    L2): a graph of (GEMM, verify) per layer less a graph of the GEMMs alone. The engine's
+    verify took 51 us per layer where this table's plain graph took 38 (H100, 65 x 1, the
+    same compiled variant; BENCHMARKS.md, stop 25)."""
+    if device.type != "cuda":
+        return float("nan")
+    q = sets[0][0]
+    tokens = q.shape[0] * q.shape[1]
+    weight = torch.randn(16384, 5120, device=device, dtype=torch.bfloat16)
+    x = torch.randn(tokens, 5120, device=device, dtype=torch.bfloat16)
+    gemm = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
+    both = [fn for s in sets for fn in (gemm, lambda s=s: gdn_tree_verify(*s, meta))]
+    return 2 * time_graph(both, device) - time_graph([gemm] * len(sets), device)
+
+
 def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[str]:
     smoke = args.smoke
     H, HV, K, V = (2, 4, 16, 16) if smoke else (16, 48, 128, 128)
@@ -405,7 +422,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         shapes = args.gdn_shapes
     for N, B in shapes:
         if time.monotonic() > deadline:
-            rows.append([str(N), str(B), "(out of time)"] + [""] * (11 + 2 * len(args.kernels)))
+            rows.append([str(N), str(B), "(out of time)"] + [""] * (12 + 2 * len(args.kernels)))
             continue
         state_bytes = B * HV * K * V * 4
         in_bytes = B * N * (2 * H * K * 2 + HV * V * 2 + HV * (4 + 2))
@@ -419,6 +436,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         with ClockSampler() as clocks:
             verify_graph = guarded("verify graph", lambda: time_graph(
                 [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
+        verify_after_gemm = guarded("verify after GEMM", lambda: verify_between_gemms(sets, meta, device))
         commit_graph = guarded("commit graph", lambda: time_graph(
             [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
             device,
@@ -469,7 +487,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         commit_bytes = 2 * state_bytes + B * depth * (H * K * 4 + HV * V * 4 + HV * 8)
         commit_floor = 1e6 * commit_bytes / bandwidth
         rows.append([
-            str(N), str(B), fmt(verify_graph), sm_clock(clocks), fmt(verify_floor), fmt(commit_graph),
+            str(N), str(B), fmt(verify_graph), fmt(verify_after_gemm), sm_clock(clocks), fmt(verify_floor),
+            fmt(commit_graph),
             fmt(commit_layers_graph), fmt(commit_floor),
             fmt(rec_graph), fmt(fla_graph), fmt(spec_graph),
             fmt(fla_graph / verify_graph, 2), fmt_err(verify_err), fmt_err(commit_err), *kernel_cells,
@@ -478,7 +497,7 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         if device.type == "cuda":
             torch.cuda.empty_cache()
     rows.sort(key=lambda row: (int(row[0]), int(row[1])))
-    header = ["N", "B", "verify", "SM MHz", "verify floor", "commit", "commit, one launch",
+    header = ["N", "B", "verify", "verify after GEMM", "SM MHz", "verify floor", "commit", "commit, one launch",
               "commit floor", "per-node-state",
               "fla chain", "vLLM spec", "fla/verify", "verify err", "commit err"]
     header += [f"{kernel}{part}" for kernel in args.kernels for part in ("", " err")]
@@ -487,7 +506,9 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         "conv output (the tree path's layout since stop 21), fp32 state "
         f"in vLLM's [slots, HV, V, K] layout, bushy trees; floor = bytes / "
         f"{fmt(bandwidth / 1e12, 2)} TB/s; per-node-state = fused_recurrent_gdn_tree writing every "
-        "node's state; SM MHz: median SM clock while verify was timed (nvidia-smi); commit, one "
+        "node's state; verify after GEMM = each layer's verify after a GEMM of the layer's qkvz "
+        "projection shape, as in the model (its 168 MB of weights through L2), less the GEMMs alone; "
+        "SM MHz: median SM clock while verify was timed (nvidia-smi); commit, one "
         "launch = gdn_tree_commit_layers over every layer of the graph (the engine's), per layer; "
         "fla chain = "
         "fla's chunk_gated_delta_rule on a chain of N; vLLM spec = vLLM's "
