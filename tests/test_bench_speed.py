@@ -31,13 +31,17 @@ def test_cuda_engines_capture_full_decode_graphs_with_or_without_torch_compile(c
                                                                             mode):
     shapes = dataclasses.replace(speed.SHAPES["qwen3.6-27b"], batches=(1, 8),
                                  contexts=(1024,), compilation=compilation)
-    kwargs = speed.engine_kwargs(shapes, "v2", query_lens=(65,))
+    kwargs = speed.engine_kwargs(shapes, "v2", query_lens=lambda batch: (65,))
     config = kwargs["compilation_config"]
     assert not kwargs["enforce_eager"] and config["cudagraph_mode"] == "FULL_DECODE_ONLY"
     assert config.get("mode") == mode  # None: vLLM's default, torch.compile
     assert config["custom_ops"] == ["none"]  # Inductor fuses the native ops
     # every batch at one token, at the drafter's block and at the tree's query length
     assert config["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 520]
+    # The rule engine: each batch at the query length the rule gives it (64 nodes at batch
+    # 1, 16 at batch 8), not 520 tokens it never runs.
+    rule = speed.engine_kwargs(shapes, "v2", query_lens=lambda b: (1 + speed.rule_budget(64, b),))
+    assert rule["compilation_config"]["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 136]
 
 
 def test_stated_tau_by_regime():

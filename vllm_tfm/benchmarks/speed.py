@@ -189,11 +189,12 @@ def speculative_config(method: str, models: dict, max_budget: int,
     return config
 
 
-def engine_kwargs(shapes: Shapes, runner: str,
-                  query_lens: tuple[int, ...] = (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
-    of ``query_lens`` tokens per request (1 + every k the engine's steps draft), on CPU the
+    of ``query_lens(batch)`` tokens per request (1 + every k the engine's steps draft at
+    that batch: the rule engine's 65-token trees at batch 1 only; capturing them at batch 8,
+    520 tokens, ran an H100 out of memory in 16 GiB of KV), on CPU the
     tests' CPU settings; one engine for the largest batch and the longest context. The
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
@@ -210,8 +211,7 @@ def engine_kwargs(shapes: Shapes, runner: str,
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
     graphs = CUDA_GRAPH_SETTINGS[GRAPH_SETTING[shapes.compilation]]
-    lens = (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens)
-    sizes = sorted({b * m for b in batches for m in lens})
+    sizes = sorted({b * m for b in batches for m in (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens(b))})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
@@ -493,13 +493,13 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     select_runner(runner)
     started = time.perf_counter()
     max_budget = budget or DFLASH_DRAFT_DEPTH
-    query_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(
-        method, (1 + max_budget,))
+    fixed_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(method, (1 + max_budget,))
+    query_lens = lambda batch: fixed_lens  # noqa: E731
     table = None
     if method == TFM and runner == "v2":
-        if rule_engine:  # the default rule, given (V2 opts in by a table); every k graphed
+        if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed
             table = default_budget_table(max_budget)
-            query_lens = tuple(1 + k for k in TfmOptions(budget=max_budget).step_budgets)
+            query_lens = lambda batch: (1 + rule_budget(max_budget, batch),)  # noqa: E731
         else:
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
