@@ -73,7 +73,7 @@ stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$
 stage 6-sync 280 e2e --cudagraphs full-decode --configs "weaver B=7" --tfm-sync-scheduling \
     --deadline-s 200
 
-bash tools/gpu_vllm/triton_cache.sh save "$OUT/triton_cache.tgz"   # merge it here: triton_cache.sh
+bash tools/gpu_vllm/triton_cache.sh save "$OUT/triton_cache"   # merge it here: triton_cache.sh
 echo; echo "== summary"
 for name in $STAGES; do
   echo "-- $name"

@@ -4,11 +4,12 @@
 # shapes on an H100, 2026-12-05) and the next dflash_tfm engine ours (~30 kernels, 1-6 s
 # each), minutes of a 30-minute session.
 #
-#   bash tools/gpu_vllm/triton_cache.sh save $OUT/triton_cache.tgz     # device, end of a call
-#   bash tools/gpu_vllm/triton_cache.sh merge /work/.device/N/triton_cache.tgz   # here
+#   bash tools/gpu_vllm/triton_cache.sh save $OUT/triton_cache         # device, end of a call
+#   bash tools/gpu_vllm/triton_cache.sh merge /work/.device/N/triton_cache.*.tgz   # here
 #
 # save: the cache entries this machine compiled since setup.sh unpacked the carried cache
-#       (all of them if none was carried).
+#       (all of them if none was carried), as PREFIX.00.tgz, PREFIX.01.tgz, ... of at most
+#       15 MiB each.
 # merge: adds the returned entries to the payload's triton_cache.tgz (carried by the next
 #       call) and to artifacts/gpu_vllm/triton_cache_<vLLM version>.tgz, which
 #       build_payload.sh takes when it rebuilds the payload.
@@ -20,8 +21,17 @@ case "${1:-}" in
     newer=()
     [ -f "$TC/.carried" ] && newer=(-newer "$TC/.carried")
     find "$TC" -mindepth 1 -maxdepth 1 -type d "${newer[@]}" -printf '%f\n' > /tmp/triton_new
-    tar -czf "$2" -C "$TC" -T /tmp/triton_new
-    echo "triton cache: $(wc -l < /tmp/triton_new) new entries, $(du -h "$2" | cut -f1)" ;;
+    # A file back from $OUT may hold 16 MiB: as many parts as keep each under 15 MiB (a
+    # fresh machine's bench_speed run compiled 17 MiB; run_v2_tree.sh's stages 39 MiB).
+    parts=1
+    while :; do
+      rm -f "$2".*.tgz /tmp/triton_part_*
+      split -n "l/$parts" -d /tmp/triton_new /tmp/triton_part_
+      for list in /tmp/triton_part_*; do tar -czf "$2.${list##*_}.tgz" -C "$TC" -T "$list"; done
+      [ -z "$(find "$(dirname "$2")" -maxdepth 1 -name "$(basename "$2").*.tgz" -size +15M)" ] && break
+      parts=$((parts + 1))
+    done
+    echo "triton cache: $(wc -l < /tmp/triton_new) new entries in $parts parts, $(du -ch "$2".*.tgz | tail -1 | cut -f1)" ;;
   merge)
     V=$(cat "$PAYLOAD/VLLM_VERSION")
     work=$(mktemp -d)
@@ -31,5 +41,5 @@ case "${1:-}" in
     mkdir -p artifacts/gpu_vllm && cp "$PAYLOAD/triton_cache.tgz" "artifacts/gpu_vllm/triton_cache_$V.tgz"
     echo "triton cache: $(ls "$work" | wc -l) entries, $(du -h "$PAYLOAD/triton_cache.tgz" | cut -f1)"
     rm -rf "$work" ;;
-  *) echo "usage: triton_cache.sh save OUT.tgz | merge RETURNED.tgz..." >&2; exit 2 ;;
+  *) echo "usage: triton_cache.sh save OUT_PREFIX | merge RETURNED.tgz..." >&2; exit 2 ;;
 esac
