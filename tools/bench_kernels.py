@@ -396,10 +396,12 @@ def verify_between_gemms(sets, meta, device) -> float:
     same compiled variant; BENCHMARKS.md, stop 25)."""
     if device.type != "cuda":
         return float("nan")
+    from vllm_tfm.training.bench_training import QWEN36_27B_TARGET
+
+    _, fan_in, fan_out, _ = target_linears(QWEN36_27B_TARGET)[0]  # the GDN input projection
     q = sets[0][0]
-    tokens = q.shape[0] * q.shape[1]
-    weight = torch.randn(16384, 5120, device=device, dtype=torch.bfloat16)
-    x = torch.randn(tokens, 5120, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(fan_out, fan_in, device=device, dtype=torch.bfloat16)
+    x = torch.randn(q.shape[0] * q.shape[1], fan_in, device=device, dtype=torch.bfloat16)
     gemm = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
     both = [fn for s in sets for fn in (gemm, lambda s=s: gdn_tree_verify(*s, meta))]
     return 2 * time_graph(both, device) - time_graph([gemm] * len(sets), device)
