@@ -165,6 +165,20 @@ def test_smoke_mode_measures_every_cell_of_every_engine(tmp_path):
     assert "| 32 | 1 | dflash_tfm weaver rule (8) |" in text
 
 
+@pytest.mark.engine
+def test_an_engine_in_its_own_process_reports_what_it_measured(tmp_path):
+    import dataclasses
+
+    shapes = dataclasses.replace(speed.SHAPES["tiny"], contexts=(32,), batches=(1,),
+                                 budgets=(8,), steps=2)
+    text = speed.run(shapes, "v1", (PLAIN,), ("weaver",), tmp_path, tmp_path / "work",
+                     deadline_s=1e9, own_processes=True)
+    assert "FAILED" not in text
+    (result,) = json.loads((tmp_path / "bench_speed.json").read_text())["results"]
+    assert result["method"] == PLAIN and result["memory"]["concurrency"]["32"] > 0
+    assert [(c["batch"], c["decode_steps"]) for c in result["cells"]] == [(1, 2)]
+
+
 class _FakeRunner:
     """The V1 runner methods step_phases wraps, calling each other as vLLM's do."""
 

@@ -9,13 +9,13 @@
 #        WORK=dir for downloads (default: a temp dir, removed at the end unless WORK is given)
 #        TINY_PY=python with torch+transformers(>=5.2)+tokenizers+safetensors: pre-build the tiny models into
 #                DEST/tiny.tgz (else setup.sh builds them on the GPU machine with make_tiny.py, ~10 s)
-#        TRITON_CACHE=triton_cache.tgz brought back from a device run (default: the first present of
-#                artifacts/gpu_vllm/triton_cache_$VLLM_VERSION.tgz in this checkout and the shared
+#        TRITON_CACHE=triton cache brought back from a device run (default: the first present of
+#                artifacts/gpu_vllm/triton_cache_$VLLM_VERSION.tar.xz in this checkout and the shared
 #                harness's ../shared/gpu-vllm/artifacts/triton_cache.tgz; TRITON_CACHE=none leaves it out).
 #                It saves ~110 s of Triton JIT + autotuning on the first hybrid/DFlash start of a fresh
 #                machine; the cache is keyed by kernel source, so kernels a version changed compile anew.
 # result: DEST/{vllm_py.tgz (~10 MB), whl/ (~28 wheels, ~19 MB), modelinfos/, scripts, VLLM_VERSION,
-#         [tiny.tgz ~14 MB], [triton_cache.tgz ~10 MB]}  -- about 50 MB in all, under the 64 MiB a device
+#         [tiny.tgz ~14 MB], [triton_cache.tar.xz or .tgz ~10 MB]}  -- about 50 MB in all, under the 64 MiB a device
 #         call carries
 set -euo pipefail
 DEST=${1:?usage: build_payload.sh DEST}; HERE=$(cd "$(dirname "$0")" && pwd)
@@ -67,10 +67,13 @@ if [ -n "${TINY_PY:-}" ]; then
     && tar -czf "$DEST/tiny.tgz" -C "$WORK/tiny" .
 fi
 if [ -z "${TRITON_CACHE:-}" ]; then
-  TRITON_CACHE=$HERE/../../artifacts/gpu_vllm/triton_cache_$V.tgz
+  TRITON_CACHE=$HERE/../../artifacts/gpu_vllm/triton_cache_$V.tar.xz
   [ -f "$TRITON_CACHE" ] || TRITON_CACHE=$HERE/../../../shared/gpu-vllm/artifacts/triton_cache.tgz
 fi
-rm -f "$DEST/triton_cache.tgz"
-if [ "$TRITON_CACHE" != none ] && [ -f "$TRITON_CACHE" ]; then cp "$TRITON_CACHE" "$DEST/triton_cache.tgz"; fi
+rm -f "$DEST"/triton_cache.*
+if [ "$TRITON_CACHE" != none ] && [ -f "$TRITON_CACHE" ]; then
+  case "$TRITON_CACHE" in *.tar.xz) cp "$TRITON_CACHE" "$DEST/triton_cache.tar.xz" ;;
+                          *) cp "$TRITON_CACHE" "$DEST/triton_cache.tgz" ;; esac
+fi
 [ "$KEEP" = 1 ] || rm -rf "$WORK"
 du -sh "$DEST"; ls "$DEST"

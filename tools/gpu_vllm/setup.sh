@@ -5,7 +5,8 @@
 #                  version staged earlier on this machine is replaced)
 #   compileall both trees with 16 workers (so no process compiles bytecode at import time)
 #   ${VLLM_CACHE_ROOT:-~/.cache/vllm}/modelinfos <- modelinfos/*.json (skips the registry subprocess)
-#   ${TRITON_CACHE_DIR:-~/.triton/cache} <- triton_cache.tgz if carried (skips Triton JIT + autotuning)
+#   ${TRITON_CACHE_DIR:-~/.triton/cache} <- triton_cache.tar.xz (or .tgz) if carried (skips Triton JIT +
+#                  autotuning)
 #   $TINY (/tmp/tiny) <- tiny.tgz if carried, else built with make_tiny.py
 set -e
 cd "$(dirname "$0")"
@@ -24,9 +25,11 @@ fi
 MI=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}/modelinfos
 if [ -d modelinfos ]; then mkdir -p "$MI" && cp -n modelinfos/*.json "$MI"/ 2>/dev/null || true; fi
 TC=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f triton_cache.tgz ] && [ ! -f "$TC/.carried" ]; then
-  mkdir -p "$TC" && tar -xzf triton_cache.tgz -C "$TC" && touch "$TC/.carried"
-fi
+for carried in triton_cache.tar.xz triton_cache.tgz; do
+  if [ -f "$carried" ] && [ ! -f "$TC/.carried" ]; then
+    mkdir -p "$TC" && tar -xf "$carried" -C "$TC" && touch "$TC/.carried"
+  fi
+done
 TINY=${TINY:-/tmp/tiny}
 if [ ! -f "$TINY/qwen35/config.json" ]; then
   if [ -f tiny.tgz ]; then mkdir -p "$TINY" && tar -xzf tiny.tgz -C "$TINY"

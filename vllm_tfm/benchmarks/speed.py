@@ -766,23 +766,59 @@ def merge_reports(paths: list[Path], out: Path) -> str:
     return report(results, shapes, "Merged runs:\n" + header, out)
 
 
+def _logger(started: float):
+    """A log printing seconds since ``started`` (a ``time.perf_counter`` value: the
+    monotonic clock, the same in the engines' own processes)."""
+    def log(message: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
+    return log
+
+
+def _prepare_process() -> None:
+    for key, value in ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+    from vllm_tfm.vllm_glue import register
+
+    register()  # the harness has no installed entry point
+
+
+def _run_method_here(started: float, args: tuple, kwargs: dict) -> dict:
+    _prepare_process()
+    return run_method(*args, log=_logger(started), **kwargs)
+
+
+def run_method_in_own_process(started: float, *args, **kwargs) -> dict:
+    """``run_method`` in a fresh process, whose exit frees all the engine's GPU memory:
+    under Inductor, vLLM's shutdown left 9 GiB of an H100 held and the next engine refused
+    to start (2026-12-05)."""
+    import concurrent.futures
+    import multiprocessing
+
+    # Its workers are not daemons, so vLLM may start processes of its own.
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_run_method_here, started, args, kwargs).result()
+
+
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
         out: Path, work: Path, deadline_s: float, profile: bool = False,
-        rule_only: bool = False, tfm_sync_scheduling: bool = False) -> str:
+        rule_only: bool = False, tfm_sync_scheduling: bool = False,
+        own_processes: bool | None = None) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
     report is rewritten after each. ``profile``: each engine's first cell at each batch
     size profiled too. ``rule_only``: dflash_tfm by its batch-size-aware rule alone (the
     engine a user gets), no engine pinned to a budget. ``tfm_sync_scheduling``: the
-    dflash_tfm engines turn async scheduling off (``run_method``)."""
-    for key, value in ENGINE_ENV.items():
-        os.environ.setdefault(key, value)
+    dflash_tfm engines turn async scheduling off (``run_method``). ``own_processes``:
+    each engine in a process of its own (``run_method_in_own_process``; default: on
+    CUDA)."""
+    _prepare_process()
     import torch
 
     import vllm
-    from vllm_tfm.vllm_glue import register
 
-    register()  # the harness has no installed entry point
     started = time.perf_counter()
+    if own_processes is None:
+        own_processes = torch.cuda.is_available()
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
@@ -798,9 +834,7 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
               f"{shapes.steps} measured steps per cell (median); requests at temperature "
               f"{shapes.temperature:g}")
 
-    def log(message: str) -> None:
-        print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
-
+    log = _logger(started)
     engines = [(method, None, False, None) for method in methods if method != TFM]
     if TFM in methods:
         engines += [(TFM, budget, rule, settings) for budget, rule, settings
@@ -814,10 +848,11 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
                             "cells": [], "memory": None})
             continue
         try:
-            results.append(run_method(method, models, shapes, runner, settings,
-                                      started + deadline_s, log, budget,
-                                      out if profile else None, rule,
-                                      tfm_sync_scheduling))
+            engine = (method, models, shapes, runner, settings, started + deadline_s)
+            options = dict(budget=budget, profile_dir=out if profile else None,
+                           rule_engine=rule, tfm_sync_scheduling=tfm_sync_scheduling)
+            results.append(run_method_in_own_process(started, *engine, **options)
+                           if own_processes else run_method(*engine, log=log, **options))
         except Exception as error:  # keep the other engines' numbers
             import traceback
 

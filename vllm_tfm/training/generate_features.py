@@ -65,9 +65,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 ENGINES = ("transformers", "vllm")
 CONTINUATIONS = "continuations"  # subdirectory: the vLLM phase's output, per shard
 # Default of --vllm-kv-gib, vLLM's KV / GDN-state budget on CUDA (a fixed budget skips its
-# memory profiling): 128 sequences of a few hundred tokens of Qwen3.6-27B need ~12 GB of GDN
-# states and ~2 GB of KV; 54 GB of bf16 weights + 40 GiB fit an H200 with room for graphs.
-VLLM_CUDA_KV_GIB = 40.0
+# memory profiling): a quarter of the GPU, at most 40 GiB. 128 sequences of a few hundred
+# tokens of Qwen3.6-27B need ~12 GB of GDN states and ~2 GB of KV; its 54 GB of bf16 weights
+# + 40 GiB fit an H200 (141 GB) with room for graphs, + 19.8 GiB an H100 (80 GB), where a
+# fixed 40 GiB ran out of memory (2026-12-05).
+VLLM_CUDA_KV_SHARE, VLLM_CUDA_KV_MAX_GIB = 0.25, 40.0
+
+
+def default_vllm_kv_gib() -> float:
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return min(VLLM_CUDA_KV_MAX_GIB, VLLM_CUDA_KV_SHARE * total_gib)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -93,9 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--engine", choices=ENGINES, default="transformers",
                         help="what decodes the continuations (the feature forward is "
                         "transformers' either way)")
-    parser.add_argument("--vllm-kv-gib", type=float, default=VLLM_CUDA_KV_GIB,
-                        help="--engine vllm on CUDA: vLLM's KV and GDN-state memory (lower it "
-                        "with --batch on an 80 GB GPU)")
+    parser.add_argument("--vllm-kv-gib", type=float,
+                        help="--engine vllm on CUDA: vLLM's KV and GDN-state memory (default: "
+                        "a quarter of the GPU's memory, at most 40 GiB)")
     add_device_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
@@ -207,7 +214,7 @@ def vllm_engine_kwargs(args, cuda: bool) -> dict:
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": args.batch}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
-            "kv_cache_memory_bytes": int(args.vllm_kv_gib * 2**30),
+            "kv_cache_memory_bytes": int((args.vllm_kv_gib or default_vllm_kv_gib()) * 2**30),
             "gpu_memory_utilization": 0.9}
 
 
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.batch = args.batch or (128 if cuda else 32)
     if args.batch < 1:
         raise ValueError(f"--batch must be >= 1, got {args.batch}")
-    if args.vllm_kv_gib <= 0:
+    if args.vllm_kv_gib is not None and args.vllm_kv_gib <= 0:
         raise ValueError(f"--vllm-kv-gib must be > 0, got {args.vllm_kv_gib}")
     dtype = DTYPES[args.dtype or ("bfloat16" if cuda else "float32")]
     use_fla = (args.fla or ("on" if cuda else "off")) == "on"
