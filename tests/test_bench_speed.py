@@ -107,6 +107,15 @@ def test_projection_is_tau_times_batch_over_the_period_against_plain_and_chain()
     row = speed.project([*_results(), sync], ours, max_budget=127)[-1]
     assert speed.label(row) == "dflash_tfm weaver rule (16, sync scheduling)"
     assert speed.engine_label(sync) == "dflash_tfm (k = 64, rule, sync scheduling)"
+    # So is one of another Weaver expand width, which its speculative config sets.
+    wide = {"method": TFM, "engine_budget": 64, "expand_width": 8,
+            "cells": [_cell(1, 24.0, "weaver", 64)]}
+    row = speed.project([*_results(), wide], ours, max_budget=127)[-1]
+    assert speed.label(row) == "dflash_tfm weaver 64, width 8"
+    assert speed.engine_label(wide) == "dflash_tfm (k = 64, width 8)"
+    models = {"dflash": "d", "weaver": "w"}
+    assert speed.speculative_config(TFM, models, 64, expand_width=8)["expand_width"] == 8
+    assert "expand_width" not in speed.speculative_config(TFM, models, 64)
 
 
 def test_report_writes_the_table_and_the_json(tmp_path):

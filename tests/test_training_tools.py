@@ -464,3 +464,22 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
         ("chain", depth), ("ddtree", 8), ("weaver", 8)}
     assert all(r["tau"] >= 1.0 and r["steps"] >= 1 for r in report["results"])
     assert set(report["summary"]) == {"T=0", "T=1"}
+
+
+def test_eval_acceptance_drafts_at_the_expand_width_asked(trained, tmp_path, monkeypatch):
+    widths = []
+    real = acceptance.draft_trees
+
+    def recording(*args, **kwargs):
+        widths.append(kwargs["expand_width"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(acceptance, "draft_trees", recording)
+    args = ["--family", "random", "--dflash", str(trained["root"] / "whole"),
+            "--out", str(tmp_path / "eval.json"), "--num-prompts", "1", "--prompt-len", "8",
+            "--max-new-tokens", "4", "--budgets", "8", "--temperatures", "0",
+            "--methods", "weaver", "--device", "cpu"]
+    eval_acceptance.main([*args, "--expand-width", "3"])
+    assert widths and set(widths) == {3}
+    with pytest.raises(ValueError, match=r"--expand-width must be in \[1, 32\], got 0"):
+        eval_acceptance.main([*args, "--expand-width", "0"])

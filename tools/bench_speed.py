@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="CUDA engines: mode 0 (default; every small op its own torch "
                              "kernel) or vLLM's default torch.compile (Inductor fuses norms, "
                              "activations and rotary, as a user's engine does)")
+    parser.add_argument("--expand-width", type=int,
+                        help="dflash_tfm's Weaver nodes expanded per call (default: the "
+                             "plugin's, ceil(budget / 16)); projections keep the default's tau")
     parser.add_argument("--deadline-s", type=float, default=1e9)
     parser.add_argument("--profile", action="store_true",
                         help="also profile each engine's first cell at each batch size (host "
@@ -83,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["temperature"] = args.temperature
     if args.compilation:
         narrowed["compilation"] = args.compilation
+    if args.expand_width:
+        narrowed["expand_width"] = args.expand_width
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
                args.work, args.deadline_s, args.profile, args.rule_only,

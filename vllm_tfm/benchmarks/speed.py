@@ -84,6 +84,9 @@ class Shapes:
     # The CUDA engines' compilation: "none" (mode 0) or "inductor" (vLLM's default
     # torch.compile), both with FULL decode graphs (gpu_checks.CUDA_GRAPH_SETTINGS).
     compilation: str = "none"
+    # dflash_tfm's Weaver nodes expanded per call (speculative config ``expand_width``);
+    # None: the plugin's default. Projections keep the stated tau of the default width.
+    expand_width: int | None = None
 
     def batches_at(self, context: int) -> tuple[int, ...]:
         if context == min(self.contexts) or self.long_batches is None:
@@ -176,7 +179,8 @@ def tiny_models() -> dict[str, str]:
 # -- engines ---------------------------------------------------------------------------
 
 def speculative_config(method: str, models: dict, max_budget: int,
-                       budget_by_batch: tuple[tuple[int, int], ...] | None = None) -> dict | None:
+                       budget_by_batch: tuple[tuple[int, int], ...] | None = None,
+                       expand_width: int | None = None) -> dict | None:
     if method == PLAIN:
         return None
     config = {"model": models["dflash"], "attention_backend": "TRITON_ATTN"}
@@ -186,6 +190,8 @@ def speculative_config(method: str, models: dict, max_budget: int,
               "num_speculative_tokens": max_budget}
     if budget_by_batch is not None:
         config["budget_by_batch"] = [list(row) for row in budget_by_batch]
+    if expand_width is not None:
+        config["expand_width"] = expand_width
     return config
 
 
@@ -459,9 +465,13 @@ def engine_budgets(settings, budgets: tuple[int, ...],
     return [(budget, rule, group) for (budget, rule), group in by_engine.items()]
 
 
-def sync_note(entry: dict) -> str:
-    """The label suffix of an engine (or its rows) that turned async scheduling off."""
-    return ", sync scheduling" if entry.get("sync_scheduling") else ""
+def engine_note(entry: dict) -> str:
+    """The label suffix of an engine (or its rows) that turned async scheduling off or
+    set Weaver's expand width."""
+    notes = [note for note, on in (("sync scheduling", entry.get("sync_scheduling")),
+                                   (f"width {entry.get('expand_width')}",
+                                    entry.get("expand_width"))) if on]
+    return "".join(f", {note}" for note in notes)
 
 
 def engine_label(result: dict) -> str:
@@ -469,7 +479,7 @@ def engine_label(result: dict) -> str:
     if budget is None:
         return result["method"]
     rule = ", rule" if result.get("engine_rule") else ""
-    return f"{result['method']} (k = {budget}{rule}{sync_note(result)})"
+    return f"{result['method']} (k = {budget}{rule}{engine_note(result)})"
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
@@ -503,12 +513,13 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
         else:
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
+    width = shapes.expand_width if method == TFM else None
     llm = LLM(model=models["target"],
-              speculative_config=speculative_config(method, models, max_budget, table),
+              speculative_config=speculative_config(method, models, max_budget, table, width),
               **engine_kwargs(shapes, runner, query_lens),
               **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
-              "sync_scheduling": sync,
+              "sync_scheduling": sync, "expand_width": width,
               "start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
     log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
@@ -612,13 +623,13 @@ def rule_budget(max_budget: int, batch: int) -> int:
 def project(results: list[dict], ours: dict, max_budget: int) -> list[dict]:
     """One row per measured cell with projected tokens/s per regime and the ratios to
     plain decoding and to vLLM's chain at the same context and batch."""
-    cells = [(r["method"], r.get("sync_scheduling", False), cell)
-             for r in results for cell in r["cells"]]
+    cells = [(r["method"], {key: r.get(key) for key in ("sync_scheduling", "expand_width")},
+              cell) for r in results for cell in r["cells"]]
     period = {(m, c["context"], c["batch"], c["tree"], c["budget"]): c["period_ms"]
               for m, _, c in cells}
     rows = []
-    for method, sync, cell in cells:
-        row = {"method": method, "sync_scheduling": sync, **cell}
+    for method, variant, cell in cells:
+        row = {"method": method, **variant, **cell}
         budget = cell["budget"]
         if method == TFM and budget is None:
             budget = rule_budget(max_budget, cell["batch"])
@@ -647,8 +658,8 @@ def label(row: dict) -> str:
     if row["method"] != TFM:
         return row["method"]
     if row["budget"] is None:
-        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{sync_note(row)})"
-    return f"dflash_tfm {row['tree']} {row['budget']}{sync_note(row)}"
+        return f"dflash_tfm {row['tree']} rule ({row['rule_budget']}{engine_note(row)})"
+    return f"dflash_tfm {row['tree']} {row['budget']}{engine_note(row)}"
 
 
 def batch_label(row: dict) -> str:

@@ -50,12 +50,14 @@ class Drafters:
     """What drafting needs: the frozen target's head (a whole `Target` for `simulate`,
     which runs it), the DFlash drafter and (for tree "weaver") a Weaver whose tables were
     prepared from the target. `pool_size` None: the pool the engine would use
-    (`options.default_candidate_pool`)."""
+    (`options.default_candidate_pool`); `expand_width` None: Weaver's nodes expanded per
+    call as the engine's default (`options.default_expand_width`)."""
 
     target: TargetHead
     dflash: DFlashDrafter
     weaver: Weaver | None = None
     pool_size: int | None = None
+    expand_width: int | None = None
 
     def depth(self, tree: str, budget: int) -> int:
         """Draft positions D of a round, as the engine sizes them."""
@@ -95,7 +97,8 @@ class Drafters:
             pool_size = default_candidate_pool(self.target.vocab_size, weaver_pool)
         pools = lm_head_pools(hidden, self.target.lm_head, pool_size)
         trees = draft_trees(tree, roots, pools, budget, weaver=self.weaver, h_v=h_v,
-                            dflash_hidden=hidden, sample_seeds=sample_seeds)
+                            dflash_hidden=hidden, sample_seeds=sample_seeds,
+                            expand_width=self.expand_width and min(self.expand_width, budget))
         return trees, pools.ids
 
 

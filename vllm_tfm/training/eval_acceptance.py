@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver
-from vllm_tfm.options import TREE_KINDS
+from vllm_tfm.options import MAX_EXPAND_WIDTH, TREE_KINDS
 from vllm_tfm.training import corpus, data
 from vllm_tfm.training.acceptance import Drafters, RunStats, simulate
 from vllm_tfm.training.dflash import DFlashDrafter
@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--methods", nargs="+", default=list(TREE_KINDS), choices=TREE_KINDS,
                         help="tree kinds to evaluate")
+    parser.add_argument("--expand-width", type=int,
+                        help="Weaver's nodes expanded per call (default: the engine's, "
+                        "ceil(budget / 16)): fewer, wider calls draft faster")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
@@ -176,6 +179,9 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.expand_width is not None and not 1 <= args.expand_width <= MAX_EXPAND_WIDTH:
+        raise ValueError(f"--expand-width must be in [1, {MAX_EXPAND_WIDTH}], "
+                         f"got {args.expand_width}")
     fill_family_defaults(args, trained=args.family == "trained", target="target",
                          dflash="dflash", weaver="weaver")
     if args.weaver == "none":
@@ -192,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         weaver.prepare_tables(target.embed, target.lm_head)
     elif "weaver" in methods:
         methods.remove("weaver")
-    drafters = Drafters(target, drafter, weaver)
+    drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width)
     prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))
     chain_budget = args.chain_budget or drafter.draft_depth
     configs = [(t, m, b) for t in args.temperatures for m in methods
