@@ -820,8 +820,9 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     size profiled too. ``rule_only``: dflash_tfm by its batch-size-aware rule alone (the
     engine a user gets), no engine pinned to a budget. ``tfm_sync_scheduling``: the
     dflash_tfm engines turn async scheduling off (``run_method``). ``own_processes``:
-    each engine in a process of its own (``run_method_in_own_process``; default: on
-    CUDA)."""
+    each engine in a process of its own (``run_method_in_own_process``; default: on CUDA
+    under Inductor, whose engines leave memory held; engines sharing a process share its
+    warm state: the first engine's profile run took 97 s of an H100, the next 5, 2026-12-05)."""
     _prepare_process()
     import torch
 
@@ -829,7 +830,7 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
 
     started = time.perf_counter()
     if own_processes is None:
-        own_processes = torch.cuda.is_available()
+        own_processes = torch.cuda.is_available() and shapes.compilation == "inductor"
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
