@@ -244,6 +244,13 @@ PATCHES: tuple[Patch, ...] = (
         cuda_only=True, min_vllm=(0, 33),
     ),
     Patch(
+        "vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager._init_candidates",
+        f"{_V2}.graph_pruning:wrap_init_candidates",
+        "model runner V2: capture only the FULL decode graphs the budget schedule replays "
+        "(vLLM captures every query length of the schedule at every batch size)",
+        cuda_only=True, min_vllm=(0, 33),
+    ),
+    Patch(
         "vllm.v1.engine.input_processor", "InputProcessor._validate_params",
         f"{_V2}.verify:wrap_validate_params",
         "model runner V2: refuse the sampling fields the V2 tree path does not apply per "
