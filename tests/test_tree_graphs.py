@@ -115,9 +115,12 @@ def test_a_bound_step_scores_and_commits_as_the_eager_step(gen, num_reqs, padded
     # The engine's caches: the graph reads and commits the ones it was captured over.
     graph_conv, graph_ssm = conv_state.clone(), ssm_state.clone()
     # Capture: vLLM's dummy batch, every slot the null one (verification writes nothing).
-    gdn_forward(inputs(rows), layer, captured_step, pad_slots, conv_weight, graph_conv,
+    capture_inputs = inputs(rows)
+    gdn_forward(capture_inputs, layer, captured_step, pad_slots, conv_weight, graph_conv,
                 graph_ssm)
     captured = captured_step.gdn_records[layer.prefix]
+    # Full trees from row 0: the graph reads the layer's rows in place, gathering nothing.
+    assert captured.conv_inputs.data_ptr() == capture_inputs[0].data_ptr()
 
     step = full_tree_step(gen, num_reqs, num_nodes, prefix_lens=[7, 0, 30, 2, 5, 11][:num_reqs])
     assert graphable(step, num_nodes)
