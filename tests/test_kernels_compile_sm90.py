@@ -33,7 +33,7 @@ from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
 from triton_ops.testing import compiled_variants, random_tree_batch, random_tree_metadata, triton_kernels
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
-from triton_ops.traversal import traversal_law, walk_choices
+from triton_ops.traversal import greedy_walk, traversal_law, walk_choices
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit, tree_conv1d_commit_layers
 from triton_ops.weaver_step.attention import node_attention
 from triton_ops.weaver_step.frontier import (
@@ -232,6 +232,8 @@ def traversal(gen):
     law = traversal_law(index, index, children, index, target, target[..., 0], target, 16,
                         backend="triton")
     walk_choices(law.choice, children, target[..., 0], 16, backend="triton")
+    picks = torch.randint(0, S, (R, N), generator=gen)
+    greedy_walk(picks, index, picks, torch.full((R,), N), 16, backend="triton")
 
 
 CASES = {

@@ -1,4 +1,4 @@
-"""The sampled verifiers' per-node sweeps: Traversal Verification (Weng et al. 2025,
+"""The verifiers' per-node sweeps: Traversal Verification (Weng et al. 2025,
 arXiv 2505.12398) and the walk that target-only verification shares with it.
 
 The algorithms and their exact outcome laws are in :mod:`vllm_tfm.drafting.verifiers`;
@@ -9,7 +9,9 @@ sweep instead of a dozen launches per node:
   children's rejections (the sibling loops), then subtree acceptance and the law of
   where an accepted path goes next;
 * :func:`walk_choices`: the descent that samples such a law from the root (traversal's,
-  or target-only's: into child c with probability p(c), else stop).
+  or target-only's: into child c with probability p(c), else stop);
+* :func:`greedy_walk`: greedy verification's descent, into the child holding the node's
+  target argmax while one does.
 
 CUDA tensors run the kernels of :mod:`.traversal_triton`, CPU tensors the PyTorch path
 of :mod:`.traversal_torch` (see :func:`triton_ops.utils.use_triton`). Everything is
@@ -152,6 +154,49 @@ def walk_choices(
     from triton_ops.traversal.traversal_torch import walk_choices_torch
 
     return walk_choices_torch(choice, children.long(), uniforms, max_depth)
+
+
+def greedy_walk(
+    tokens: torch.Tensor,
+    parents: torch.Tensor,
+    picks: torch.Tensor,
+    num_nodes: torch.Tensor,
+    max_depth: int,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification's path: from the root into the child whose token is the
+    node's pick (its target argmax), while one is.
+
+    Args:
+        tokens: [R, N] each node's token; sibling tokens are distinct, so at most one
+            child matches.
+        parents: [R, N] each node's parent, -1 at the root; parents precede their
+            children (topological order).
+        picks: [R, N] int each node's target argmax.
+        num_nodes: [R] real nodes per tree (the rest is padding, never on the path).
+        max_depth: no node is deeper.
+
+    Returns:
+        leaf [R] int64, the deepest node of the path; on_path [R, N] bool, root..leaf.
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [R, N], got {list(tokens.shape)}")
+    R, N = tokens.shape
+    for name, t in (("parents", parents), ("picks", picks)):
+        if t.shape != (R, N):
+            raise ValueError(f"{name} must be [R={R}, N={N}], got {list(t.shape)}")
+    if num_nodes.shape != (R,):
+        raise ValueError(f"num_nodes must be [R={R}], got {list(num_nodes.shape)}")
+    _check_index("tokens", tokens, "parents", parents, "picks", picks, "num_nodes", num_nodes)
+    check_same_device("tokens", tokens, parents=parents, picks=picks, num_nodes=num_nodes)
+    if use_triton(backend, tokens):
+        from triton_ops.traversal.traversal_triton import greedy_walk_triton
+
+        return greedy_walk_triton(tokens.contiguous(), parents.contiguous(), picks.contiguous(),
+                                  num_nodes.contiguous(), max_depth)
+    from triton_ops.traversal.traversal_torch import greedy_walk_torch
+
+    return greedy_walk_torch(tokens, parents.long(), picks, num_nodes, max_depth)
 
 
 def _check_index(*named) -> None:

@@ -106,3 +106,21 @@ def walk_choices_torch(choice, children, uniforms, max_depth):
             node = torch.where(done, node, step)
             on_path[batch, node] = True
     return node, on_path
+
+
+def greedy_walk_torch(tokens, parents, picks, num_nodes, max_depth):
+    """Greedy's path in a fixed number of tensor ops (no step per depth): a node is on
+    it iff its token is its parent's pick and so is every ancestor's; siblings differ,
+    so those nodes form one chain from the root, and the leaf (the deepest) is the last
+    in node order. Returns leaf [R] int64 and on_path [R, N] bool."""
+    node = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    on_path = (parents >= 0) & (tokens == picks.gather(1, parents.clamp(min=0)))
+    on_path = (on_path & (node < num_nodes.view(-1, 1))) | (node == 0)
+    # Pointer jumping: after k rounds each node has checked its 2^k nearest ancestors.
+    jump = parents
+    for _ in range(max(1, max_depth.bit_length())):
+        has_jump = jump >= 0
+        at = jump.clamp(min=0)
+        on_path = on_path & (on_path.gather(1, at) | ~has_jump)
+        jump = torch.where(has_jump, jump.gather(1, at), jump)
+    return torch.where(on_path, node, -1).amax(-1), on_path

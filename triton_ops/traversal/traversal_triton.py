@@ -136,6 +136,32 @@ def _walk_kernel(
     tl.store(leaf_ptr + r, node)
 
 
+@triton.jit
+def _greedy_walk_kernel(
+    tokens_ptr, parents_ptr, picks_ptr, num_nodes_ptr, leaf_ptr, on_path_ptr,
+    N, steps,
+    BLOCK_N: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    base = r * N
+    n = tl.arange(0, BLOCK_N)
+    # Padding nodes read as parent -2 and token -1: never a match.
+    real = n < tl.load(num_nodes_ptr + r)
+    tokens = tl.load(tokens_ptr + base + n, mask=real, other=-1)
+    parents = tl.load(parents_ptr + base + n, mask=real, other=-2)
+    node = tl.zeros((), dtype=tl.int64)
+    on_path = n == 0
+    for _ in range(steps):
+        # Siblings differ: one child at most holds the pick. Once none does, the node
+        # and its pick stay, and so do the later steps.
+        pick = tl.load(picks_ptr + base + node)
+        child = tl.max(tl.where((parents == node) & (tokens == pick), n, -1), 0)
+        node = tl.where(child >= 0, child, node)
+        on_path = on_path | (n == child)
+    tl.store(on_path_ptr + base + n, on_path, mask=n < N)
+    tl.store(leaf_ptr + r, node)
+
+
 def law_triton(parents, order, children, support_index, target, outside, proposal):
     """Arguments and results as :func:`triton_ops.traversal.traversal_law` (contiguous)."""
     R, N, K = children.shape
@@ -166,4 +192,15 @@ def walk_triton(choice, children, uniforms, max_depth):
             choice, children, uniforms, leaf, on_path, N, K, max_depth + 1,
             BLOCK_C=triton.next_power_of_2(K + 1),
         )
+    return leaf, on_path
+
+
+def greedy_walk_triton(tokens, parents, picks, num_nodes, max_depth):
+    """Arguments and results as :func:`triton_ops.traversal.greedy_walk` (contiguous)."""
+    R, N = tokens.shape
+    leaf = torch.empty(R, dtype=torch.int64, device=tokens.device)
+    on_path = torch.empty(R, N, dtype=torch.bool, device=tokens.device)
+    if R:
+        _greedy_walk_kernel[(R,)](tokens, parents, picks, num_nodes, leaf, on_path, N, max_depth,
+                                  BLOCK_N=triton.next_power_of_2(N))
     return leaf, on_path

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from triton_ops.counter_random import counter_gumbel, counter_uniform
-from triton_ops.traversal import sample_index, traversal_law, walk_choices
+from triton_ops.traversal import greedy_walk, sample_index, traversal_law, walk_choices
 from vllm_tfm.drafting.tree import DraftTree
 
 # counter_uniform streams (the sampled builder uses stream 1).
@@ -127,30 +127,19 @@ class TraversalPlan(WalkPlan):
     accept: torch.Tensor
 
 
-def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True) -> VerifyResult:
+def verify_greedy(tree: DraftTree, target: torch.Tensor, validate: bool = True,
+                  backend: str = "auto") -> VerifyResult:
     """Greedy verification. ``target``: [R, N, V] logits, log-probs or probs.
 
     Walk from the root into the child holding the node's argmax, with every node's
-    argmax known up front, in a fixed number of tensor ops (no step per depth, which
-    on a GPU is a host-bound loop): a node is on the accepted path iff its token is its
-    parent's argmax and so is every ancestor's. Sibling tokens are distinct, so at most
-    one child of a node matches and those nodes form one chain from the root: the leaf
-    is its deepest node.
+    argmax known up front (:func:`triton_ops.traversal.greedy_walk`; ``backend``: its
+    kernel or PyTorch path). Sibling tokens are distinct, so at most one child of a node
+    matches: the accepted nodes form one chain from the root.
     """
     _check_target(tree, target, "target", validate)
     picks = target.argmax(-1)  # [R, N]
-    parents = tree.parents.long()
-    node = _node_ids(tree)
-    on_path = (parents >= 0) & (tree.tokens == picks.gather(1, parents.clamp(min=0)))
-    on_path = (on_path & (node < tree.num_nodes.view(-1, 1))) | (node == 0)
-    # Pointer jumping: after k rounds each node has checked its 2^k nearest ancestors.
-    jump = parents
-    for _ in range(max(1, tree.max_depth.bit_length())):
-        has_jump = jump >= 0
-        at = jump.clamp(min=0)
-        on_path = on_path & (on_path.gather(1, at) | ~has_jump)
-        jump = torch.where(has_jump, jump.gather(1, at), jump)
-    leaf = torch.where(on_path, tree.depths.long(), -1).argmax(-1)
+    leaf, on_path = greedy_walk(tree.tokens, tree.parents, picks, tree.num_nodes,
+                                tree.max_depth, backend)
     return _finish(tree, leaf, picks.gather(1, leaf[:, None])[:, 0], on_path)
 
 
