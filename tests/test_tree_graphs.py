@@ -119,8 +119,11 @@ def test_a_bound_step_scores_and_commits_as_the_eager_step(gen, num_reqs, padded
     gdn_forward(capture_inputs, layer, captured_step, pad_slots, conv_weight, graph_conv,
                 graph_ssm)
     captured = captured_step.gdn_records[layer.prefix]
-    # Full trees from row 0: the graph reads the layer's rows in place, gathering nothing.
-    assert captured.conv_inputs.data_ptr() == capture_inputs[0].data_ptr()
+    # Full trees from row 0: the graph reads the layer's rows in place, gathering nothing;
+    # the commit record keeps its own copy of the conv inputs.
+    assert captured_step.tree_nodes.dense_start == 0
+    assert torch.equal(captured.conv_inputs.flatten(0, 1), capture_inputs[0])
+    assert captured.conv_inputs.data_ptr() != capture_inputs[0].data_ptr()
 
     step = full_tree_step(gen, num_reqs, num_nodes, prefix_lens=[7, 0, 30, 2, 5, 11][:num_reqs])
     assert graphable(step, num_nodes)

@@ -40,9 +40,14 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True)
+    # The commit reads the accepted nodes' inputs after the forward. A dense step's x is a
+    # view of vLLM's mixed_qkv, whose memory a compiled graph may hand to a later buffer
+    # once this layer returns (Inductor plans buffers across the GDN op where it does not
+    # split the graph there): the record keeps a copy.
     step.gdn_records[layer.prefix] = GDNCommitRecord(
         ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
-        meta=meta, verify_out=result, conv_inputs=x,
+        meta=meta, verify_out=result,
+        conv_inputs=x if nodes.dense_start is None else x.clone(),
     )
     return nodes.real_nodes(result.o)
 
