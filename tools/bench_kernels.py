@@ -1091,7 +1091,7 @@ def sampled_tree_batch(gen, B, budget, depth, pool, vocab, device) -> DraftTree:
 def verify_table(device, args) -> list[str]:
     """Per batch: both backends' plans agree (float64), their walks match, then eager time
     per call of each verifier on a budget-64 tree (sampled: traversal; the same tree as a
-    deterministic one: target-only), greedy for scale."""
+    deterministic one: target-only; greedy, whose paths both backends must agree on)."""
     vocab, depth, pool, budget = 4096 if args.smoke else 248320, 15, 512, 64
     gen = torch.Generator().manual_seed(31)
     rows = []
@@ -1117,16 +1117,22 @@ def verify_table(device, args) -> list[str]:
             for backend in ("torch", "triton"):
                 us = guarded(f"verify {backend}", lambda b=backend: time_eager(lambda: run(b), device))
                 cells.append(f"{fmt(us)} ({launches(lambda b=backend: run(b))})")
-        greedy = lambda: verify_greedy(sampled, probs, validate=False)  # noqa: E731
-        rows.append([str(B), str(sampled.max_nodes), *cells,
-                     f"{fmt(time_eager(greedy, device))} ({launches(greedy)})", fmt_err(err),
+        greedy = [verify_greedy(sampled, probs, False, backend).output_tokens
+                  for backend in ("torch", "triton")]
+        if not torch.equal(*greedy):
+            args.failed.append(f"verify B={B}: greedy paths differ between the backends")
+        for backend in ("torch", "triton"):
+            run = lambda b=backend: verify_greedy(sampled, probs, False, b)  # noqa: E731
+            cells.append(f"{fmt(time_eager(run, device))} ({launches(run)})")
+        rows.append([str(B), str(sampled.max_nodes), *cells, fmt_err(err),
                      "yes" if same_walk else "NO"])
     return table(f"sampled verifiers, eager us per call (launches) (vocabulary {vocab}, sampled trees "
                  f"of {budget} drafted nodes from {pool}-id pools; target-only on the same trees as "
                  "deterministic ones; launches: vllm_tfm/benchmarks/launches.py); plan error: "
                  "max |PyTorch - kernels| over the traversal plan",
                  ["B", "N", "traversal torch", "traversal kernels", "target-only torch",
-                  "target-only kernels", "greedy", "plan error", "walks equal"], rows)
+                  "target-only kernels", "greedy torch", "greedy kernel", "plan error",
+                  "walks equal"], rows)
 
 
 def bench_verify(args) -> list[str]:
