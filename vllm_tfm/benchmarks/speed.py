@@ -468,10 +468,10 @@ def engine_budgets(settings, budgets: tuple[int, ...],
 def engine_note(entry: dict) -> str:
     """The label suffix of an engine (or its rows) that turned async scheduling off or
     set Weaver's expand width."""
-    notes = [note for note, on in (("sync scheduling", entry.get("sync_scheduling")),
-                                   (f"width {entry.get('expand_width')}",
-                                    entry.get("expand_width"))) if on]
-    return "".join(f", {note}" for note in notes)
+    note = ", sync scheduling" if entry.get("sync_scheduling") else ""
+    if entry.get("expand_width"):
+        note += f", width {entry['expand_width']}"
+    return note
 
 
 def engine_label(result: dict) -> str:
