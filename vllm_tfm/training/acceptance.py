@@ -98,7 +98,7 @@ class Drafters:
         pools = lm_head_pools(hidden, self.target.lm_head, pool_size)
         trees = draft_trees(tree, roots, pools, budget, weaver=self.weaver, h_v=h_v,
                             dflash_hidden=hidden, sample_seeds=sample_seeds,
-                            expand_width=self.expand_width and min(self.expand_width, budget))
+                            expand_width=self.expand_width)
         return trees, pools.ids
 
 
