@@ -388,12 +388,12 @@ def check_table_errors(failed: list, name: str, verify_err: float, commit_err: f
         failed.append(name)
 
 
-def verify_between_gemms(sets, meta, device) -> float:
-    """Microseconds of a verify that runs, as in the model, right after a GEMM of the GDN
-    layer's input projection (hidden 5120 -> 16384, which streams 168 MB of weights through
-    L2): a graph of (GEMM, verify) per layer less a graph of the GEMMs alone. The engine's
-    verify took 51 us per layer where this table's plain graph took 38 (H100, 65 x 1, the
-    same compiled variant; BENCHMARKS.md, stop 25)."""
+def verify_between_gemms(sets, device, verify) -> float:
+    """Microseconds of ``verify(s)`` for each input set s when it runs, as in the model,
+    right after a GEMM of the GDN layer's input projection (hidden 5120 -> 16384, which
+    streams 168 MB of weights through L2): a graph of (GEMM, verify) per layer less a graph
+    of the GEMMs alone. The engine's verify took 51 us per layer where this table's plain
+    graph took 38 (H100, 65 x 1, the same compiled variant; BENCHMARKS.md, stop 25)."""
     if device.type != "cuda":
         return float("nan")
     from vllm_tfm.training.bench_training import QWEN36_27B_TARGET
@@ -403,7 +403,7 @@ def verify_between_gemms(sets, meta, device) -> float:
     weight = torch.randn(fan_out, fan_in, device=device, dtype=torch.bfloat16)
     x = torch.randn(q.shape[0] * q.shape[1], fan_in, device=device, dtype=torch.bfloat16)
     gemm = lambda: torch.nn.functional.linear(x, weight)  # noqa: E731
-    both = [fn for s in sets for fn in (gemm, lambda s=s: gdn_tree_verify(*s, meta))]
+    both = [fn for s in sets for fn in (gemm, lambda s=s: verify(s))]
     return 2 * time_graph(both, device) - time_graph([gemm] * len(sets), device)
 
 
@@ -438,7 +438,8 @@ def gdn_timing_table(device, args, bandwidth: float, deadline: float) -> list[st
         with ClockSampler() as clocks:
             verify_graph = guarded("verify graph", lambda: time_graph(
                 [lambda s=s: gdn_tree_verify(*s, meta) for s in sets], device))
-        verify_after_gemm = guarded("verify after GEMM", lambda: verify_between_gemms(sets, meta, device))
+        verify_after_gemm = guarded("verify after GEMM", lambda: verify_between_gemms(
+            sets, device, lambda s: gdn_tree_verify(*s, meta)))
         commit_graph = guarded("commit graph", lambda: time_graph(
             [lambda s=s, o=o: gdn_tree_commit(s[5], s[6], meta, o, leaf) for s, o in zip(sets, outs)],
             device,
@@ -552,20 +553,31 @@ SWEEP_CONFIGS = {
 SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
 
 
+# A launch configuration's bf16 verify output may differ from the default path's by a few
+# bf16 ulps (2^-8 relative; 6e-3 of max |o| seen against the PyTorch path on CPU); a wrong
+# result differs by O(1).
+CONFIG_SWEEP_TOLERANCE = 3e-2
+
+
 def gdn_config_sweep(device, args, deadline: float) -> list[str]:
-    """Verify time per launch configuration of ``args.sweep_kernel`` (CUDA graph)."""
-    if device.type != "cuda" or not args.sweep:
+    """Verify time per launch configuration of ``args.sweep_kernel`` (CUDA graph), alone
+    and right after a GEMM as in the model (``verify_between_gemms``), each configuration's
+    output checked against gdn_tree_verify's default path first (``--smoke``: tiny shapes,
+    the checks alone). Shapes: ``--gdn-shapes``, else (128, 1), (64, 8), (128, 8), (64, 32)."""
+    if not args.sweep:
         return []
-    H, HV, K, V = 16, 48, 128, 128
+    H, HV, K, V = (2, 4, 32, 32) if args.smoke else (16, 48, 128, 128)
+    shapes = ((17, 1), (9, 2)) if args.smoke else args.gdn_shapes or ((128, 1), (64, 8), (128, 8), (64, 32))
     rows = []
     gen = torch.Generator().manual_seed(4)
     kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
-    configs = SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"])
-    for N, B in ((128, 1), (64, 8), (128, 8), (64, 32)):
+    configs = [c for c in SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"]) if c[0] <= V]
+    for N, B in shapes:
         if kernel is not None and not kernel_takes(kernel, N):
             continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
+        expected = gdn_tree_verify(*sets[0], meta).o.float()
         for bv, warps, prepare_warps, prec in configs:
             if time.monotonic() > deadline:
                 break
@@ -575,11 +587,21 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
                                      block_v=bv, num_warps=warps, prepare_warps=prepare_warps, kernel=kernel)
 
-            us = guarded(f"config BV={bv} warps={warps}/{prepare_warps} {prec}",
-                         lambda: time_graph([lambda s=s: call(s) for s in sets], device))
-            rows.append([str(N), str(B), str(bv), str(warps), str(prepare_warps), prec, fmt(us)])
-    return table(f"GDN tree verify launch configurations, kernel {args.sweep_kernel} (us per layer, CUDA graph)",
-                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "graph"], rows)
+            label = f"verify BV={bv} warps={warps}/{prepare_warps} {prec} (N={N}, B={B})"
+            head = [str(N), str(B), str(bv), str(warps), str(prepare_warps), prec]
+            error = float((call(sets[0]).o.float() - expected).abs().max() / expected.abs().max())
+            if not error < CONFIG_SWEEP_TOLERANCE:
+                args.failed.append(label)
+                rows.append(head + [fmt_err(error), "FAILED", ""])
+                continue
+            us = guarded(label, lambda: time_graph([lambda s=s: call(s) for s in sets], device))
+            after_gemm = guarded(label + " after GEMM", lambda: verify_between_gemms(sets, device, call))
+            rows.append(head + [fmt_err(error), fmt(us), fmt(after_gemm)])
+    return table(f"GDN tree verify launch configurations, kernel {args.sweep_kernel} (us per layer, CUDA "
+                 "graph; after GEMM: each layer's verify right after its input projection; error: max "
+                 "difference from gdn_tree_verify's default path over max |o|)",
+                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "error", "graph",
+                  "after GEMM"], rows)
 
 
 # The commit's state tiles and warps the sweep times: (BK, BV, warps); the first is the
@@ -1245,8 +1267,8 @@ def main() -> int:
     parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep,commit-sweep",
                         help="GDN: comma list of the sections to run, in this order")
     parser.add_argument("--gdn-shapes", default="",
-                        help="GDN timing table: only these NxB shapes, e.g. 64x1,128x1 (default: N in 16..128, "
-                             "B in 1, 8, 32)")
+                        help="GDN timing table and verify sweep: only these NxB shapes, e.g. 65x1,17x8 "
+                             "(default: the table N in 16..128, B in 1, 8, 32; the sweep 128x1,64x8,128x8,64x32)")
     parser.add_argument("--kernels", default="",
                         help=f"GDN timing table: also time these verify kernels, comma list of {VERIFY_KERNELS}")
     parser.add_argument("--sweep-kernel", default="default",
