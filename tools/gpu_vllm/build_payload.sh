@@ -14,8 +14,10 @@
 #                harness's ../shared/gpu-vllm/artifacts/triton_cache.tgz; TRITON_CACHE=none leaves it out).
 #                It saves ~110 s of Triton JIT + autotuning on the first hybrid/DFlash start of a fresh
 #                machine; the cache is keyed by kernel source, so kernels a version changed compile anew.
+#        COMPILE_CACHE=vLLM's torch.compile cache brought back from a device run (default:
+#                artifacts/gpu_vllm/compile_cache_$VLLM_VERSION.tar.xz if present; none leaves it out).
 # result: DEST/{vllm_py.tgz (~10 MB), whl/ (~28 wheels, ~19 MB), modelinfos/, scripts, VLLM_VERSION,
-#         [tiny.tgz ~14 MB], [triton_cache.tar.xz or .tgz ~10 MB]}  -- about 50 MB in all, under the 64 MiB a device
+#         [tiny.tgz ~14 MB], [triton_cache.tar.xz or .tgz ~10 MB], [compile_cache.tar.xz]}  -- about 50 MB in all, under the 64 MiB a device
 #         call carries
 set -euo pipefail
 DEST=${1:?usage: build_payload.sh DEST}; HERE=$(cd "$(dirname "$0")" && pwd)
@@ -70,10 +72,12 @@ if [ -z "${TRITON_CACHE:-}" ]; then
   TRITON_CACHE=$HERE/../../artifacts/gpu_vllm/triton_cache_$V.tar.xz
   [ -f "$TRITON_CACHE" ] || TRITON_CACHE=$HERE/../../../shared/gpu-vllm/artifacts/triton_cache.tgz
 fi
-rm -f "$DEST"/triton_cache.*
+rm -f "$DEST"/triton_cache.* "$DEST"/compile_cache.*
 if [ "$TRITON_CACHE" != none ] && [ -f "$TRITON_CACHE" ]; then
   case "$TRITON_CACHE" in *.tar.xz) cp "$TRITON_CACHE" "$DEST/triton_cache.tar.xz" ;;
                           *) cp "$TRITON_CACHE" "$DEST/triton_cache.tgz" ;; esac
 fi
+COMPILE_CACHE=${COMPILE_CACHE:-$HERE/../../artifacts/gpu_vllm/compile_cache_$V.tar.xz}
+if [ "$COMPILE_CACHE" != none ] && [ -f "$COMPILE_CACHE" ]; then cp "$COMPILE_CACHE" "$DEST/compile_cache.tar.xz"; fi
 [ "$KEEP" = 1 ] || rm -rf "$WORK"
 du -sh "$DEST"; ls "$DEST"

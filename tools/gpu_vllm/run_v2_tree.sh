@@ -34,8 +34,8 @@
 #          speculation up to bf16 ties, the sampled run complete, tree steps replaying FULL
 #          graphs.
 # Each stage writes $OUT/<stage>/ (gpu_e2e.{md,json} or v2_sampling.{md,json}) and
-# $OUT/<stage>.log; $OUT/triton_cache.tgz holds the kernels this machine compiled (merge it
-# into the payload: triton_cache.sh); a summary is printed last. Setup ~30 s, each engine ~30-60 s.
+# $OUT/<stage>.log; $OUT/cache_*.tar.xz hold what this machine compiled (merge them into the
+# payload: device_caches.sh); a summary is printed last. Setup ~30 s, each engine ~30-60 s.
 set -u
 OUT=${OUT:-/tmp/v2_tree_out}
 mkdir -p "$OUT"
@@ -73,7 +73,7 @@ stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$
 stage 6-sync 280 e2e --cudagraphs full-decode --configs "weaver B=7" --tfm-sync-scheduling \
     --deadline-s 200
 
-bash tools/gpu_vllm/triton_cache.sh save "$OUT/triton_cache"   # merge it here: triton_cache.sh
+bash tools/gpu_vllm/device_caches.sh save "$OUT/cache"   # merge them here: device_caches.sh
 echo; echo "== summary"
 for name in $STAGES; do
   echo "-- $name"

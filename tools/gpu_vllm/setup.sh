@@ -7,6 +7,9 @@
 #   ${VLLM_CACHE_ROOT:-~/.cache/vllm}/modelinfos <- modelinfos/*.json (skips the registry subprocess)
 #   ${TRITON_CACHE_DIR:-~/.triton/cache} <- triton_cache.tar.xz (or .tgz) if carried (skips Triton JIT +
 #                  autotuning)
+#   ${VLLM_CACHE_ROOT:-~/.cache/vllm} <- compile_cache.tar.xz if carried (vLLM's torch.compile cache:
+#                  skips Dynamo, Inductor and Inductor's first run for the configs it holds)
+#   (device_caches.sh save, at the end of a call, returns what the machine added to either)
 #   $TINY (/tmp/tiny) <- tiny.tgz if carried, else built with make_tiny.py
 set -e
 cd "$(dirname "$0")"
@@ -30,6 +33,10 @@ for carried in triton_cache.tar.xz triton_cache.tgz; do
     mkdir -p "$TC" && tar -xf "$carried" -C "$TC" && touch "$TC/.carried"
   fi
 done
+VC=${VLLM_CACHE_ROOT:-$HOME/.cache/vllm}
+if [ -f compile_cache.tar.xz ] && [ ! -f "$VC/.carried" ]; then
+  mkdir -p "$VC" && tar -xf compile_cache.tar.xz -C "$VC" && touch "$VC/.carried"
+fi
 TINY=${TINY:-/tmp/tiny}
 if [ ! -f "$TINY/qwen35/config.json" ]; then
   if [ -f tiny.tgz ]; then mkdir -p "$TINY" && tar -xzf tiny.tgz -C "$TINY"
