@@ -1081,6 +1081,57 @@ def kv_commit_table(device, args, bandwidth: float) -> list[str]:
                  "per request (us)", ["B", "eager", "graph", "bytes floor"], rows)
 
 
+# Fewest prefix keys a split takes, as multiples of the key tile (the default: 2). Each active
+# split writes an fp32 partial of the tree's rows that the merge reads back: at a 1k prefix
+# and 65 nodes, 8 splits move ~13 MB of partials against 4 MB of K/V.
+MIN_CHUNK_TILES = (2, 4, 8, 16)
+
+
+def attention_min_chunk_sweep(device, args) -> list[str]:
+    """The whole attention op (split + merge) at the engine's tree (N = 65, B = 1) by the
+    split kernel's ``min_chunk`` at prefixes 1k, 8k, 32k, each output checked against the
+    PyTorch path in fp32 first. ``--smoke``: tiny shapes on CPU, the checks alone."""
+    if not args.sweep:
+        return []
+    from triton_ops.tree_attention.attention import launch_tree_attention
+
+    gen = torch.Generator().manual_seed(23)
+    Hq, Hkv, D, N = (6, 2, 32, 17) if args.smoke else (24, 4, 256, 65)
+    rows = []
+    for prefix_len in ((40, 300) if args.smoke else (1024, 8192, 32768)):
+        layers = layers_for(prefix_len * Hkv * D * 2 * 2)
+        keys, values, table_, meta, q, prefix = attention_inputs(gen, 1, N, prefix_len, Hq, Hkv, D, device, layers)
+        if args.smoke:
+            q, keys, values = q.float(), [k.float() for k in keys], [v.float() for v in values]
+        ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix, meta, D**-0.5,
+                                   backend="torch")
+        default = kernel_config(q, Hkv)
+        out = torch.full_like(q, math.nan)
+        for tiles in MIN_CHUNK_TILES:
+            config = dataclasses.replace(default, min_chunk=tiles * default.block_n)
+            # As the split kernel cuts the prefix: whole key tiles, at least min_chunk keys.
+            per_split = -(-prefix_len // config.num_splits)
+            chunk = max(-(-per_split // config.block_n) * config.block_n, config.min_chunk)
+            active = -(-prefix_len // chunk)
+            calls = [lambda i=i: launch_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix,
+                                                       meta, D**-0.5, None, None, out, config)
+                     for i in range(GRAPH_REPEATS)]
+            out.fill_(math.nan)
+            calls[0]()
+            err = rel_err(out, ref)
+            label = f"attention min_chunk {config.min_chunk} prefix {prefix_len}"
+            if not err < 1e-2:
+                args.failed.append(label)
+                rows.append([str(prefix_len), str(config.min_chunk), str(active), fmt_err(err), "FAILED"])
+                continue
+            rows.append([str(prefix_len), str(config.min_chunk), str(active), fmt_err(err),
+                         fmt(guarded(label, lambda: time_graph(calls, device)))])
+        del keys, values
+    return table(f"tree attention by the split kernel's min_chunk (N={N}, B=1, {Hq} q / {Hkv} kv heads, D={D}; "
+                 f"us, graph, split + merge; active splits of the default's {default.num_splits})",
+                 ["prefix", "min_chunk", "active splits", "error vs torch fp32", "graph"], rows)
+
+
 def bench_attention(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
@@ -1088,6 +1139,7 @@ def bench_attention(args) -> list[str]:
     sections = [
         lambda: attention_correctness(device, args.smoke, args.failed),
         lambda: attention_config_sweep(device, args),
+        lambda: attention_min_chunk_sweep(device, args),
         lambda: attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device), deadline),
         lambda: kv_commit_table(device, args, copy_bandwidth(device)),
         lambda: markdown_table(*args.attention_rows) if args.attention_rows else [],

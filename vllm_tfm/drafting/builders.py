@@ -234,7 +234,7 @@ def build_weaver_tree(
                        torch.ones(R, dtype=torch.int64, device=device))
     tree.tokens[:, 0] = root_tokens
 
-    pops = [min(width, budget - start) for start in range(0, budget, width)]
+    pops = weaver_pops(budget, width)
     if max_depth == 0:
         pops = []
     children = min(fanout, P)
@@ -277,6 +277,11 @@ def build_weaver_tree(
         draft_logq=logq[:, :N],
         max_depth=max_depth,
     )
+
+
+def weaver_pops(budget: int, width: int) -> list[int]:
+    """Nodes each pop of :func:`build_weaver_tree` takes: ``width``, the last what is left."""
+    return [min(width, budget - start) for start in range(0, budget, width)]
 
 
 def build_sampled_tree(
