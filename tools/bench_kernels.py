@@ -1280,8 +1280,39 @@ def gemm_table(device, args) -> list[str]:
                    f"M = {tokens[0]})", ["M", *(name for name, *_ in linears), "forward ms", "ratio"], rows)]
 
 
+def weaver_gemm_table(device, args, bandwidth: float) -> list[str]:
+    """The published Weaver's linear layers (``QWEN36_WEAVER_ARGS``, one block) at the rows
+    of one expansion call, M = B requests x the default expand width 4: each call streams
+    the four weights once for a handful of rows, so it should cost their bytes. Sixteen
+    such calls make a budget-64 round (F.linear, the call the Weaver makes)."""
+    from vllm_tfm.training import train_weaver
+    from vllm_tfm.training.bench_training import QWEN36_WEAVER_ARGS
+
+    shape = train_weaver.parse_args(["--out", "-", "--features", "-", *QWEN36_WEAVER_ARGS])
+    d, mlp = (64, 48) if args.smoke else (shape.d_rank, shape.mlp_dim)
+    linears = [("qkv", d, 3 * d), ("o", d, d), ("gate_up", d, 2 * mlp), ("down", mlp, d)]
+    gen = torch.Generator().manual_seed(15)
+    rows = []
+    for M in (4, 32, 128):
+        x = torch.randn(M, d, generator=gen).to(device, torch.bfloat16)
+        times, floors = [], []
+        for name, fan_in, fan_out in linears:
+            weights = [torch.randn(fan_out, fan_in, generator=gen).to(device, torch.bfloat16)
+                       for _ in range(layers_for(2 * fan_in * fan_out))]
+            xs = x[:, :fan_in]
+            fns = [lambda w=w: torch.nn.functional.linear(xs, w) for w in weights]
+            fns *= max(1, GRAPH_REPEATS // len(fns))
+            times.append(guarded(f"weaver {name} M={M}", lambda: time_graph(fns, device)))
+            floors.append(2 * fan_in * fan_out / bandwidth * 1e6)
+        rows.append([str(M), *(f"{fmt(t)} / {fmt(f, 2)}" for t, f in zip(times, floors)),
+                     fmt(sum(times)), fmt(sum(times) / sum(floors), 2)])
+    return table(f"Weaver's linear layers at M rows of one expansion call (d_rank {d}, mlp {mlp}; us, "
+                 "graph / bytes floor)", ["M", *(name for name, *_ in linears), "call", "call / floor"], rows)
+
+
 def bench_gemm(args) -> list[str]:
-    return run_sections("gemm", [lambda: gemm_table(args.device, args)], args)
+    return run_sections("gemm", [lambda: gemm_table(args.device, args),
+                                 lambda: weaver_gemm_table(args.device, args, copy_bandwidth(args.device))], args)
 
 
 # --- driver -----------------------------------------------------------------------------------
