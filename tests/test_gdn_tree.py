@@ -233,6 +233,25 @@ def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
         assert rel_err(new_pool[slots.long()], ref_states[torch.arange(B), leaf]) < FP32_TOL, kernel
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("N, counts", [(65, [65, 65]), (17, [17, 9])])
+def test_verify_writes_o_into_out(backend, N, counts, gen):
+    """``out`` (the engine's layer output rows, when they hold the nodes in order) becomes
+    ``o``: written in place, every element (padding rows zero), equal to a run without it."""
+    B, H, HV, K, V = len(counts), 1, 3, 16, 16
+    meta = random_tree_metadata(gen, ["bushy", "random"], N, counts)
+    inputs = make_inputs(gen, B, N, H, HV, K, V, dtype=torch.bfloat16)
+    fresh = gdn_tree_verify(*inputs, meta, backend=backend)
+    rows = torch.full((B * N + 5, HV, V), float("nan"), dtype=torch.bfloat16)
+    out = rows[2 : 2 + B * N].view(B, N, HV, V)  # a contiguous slice of a larger buffer
+    result = gdn_tree_verify(*inputs, meta, backend=backend, out=out)
+    assert result.o.data_ptr() == out.data_ptr()
+    assert torch.equal(out, fresh.o)
+    assert rows[:2].isnan().all() and rows[2 + B * N :].isnan().all()  # nothing outside
+    for name in ("delta", "gate_sum", "k_normed"):
+        assert torch.equal(getattr(result, name), getattr(fresh, name)), name
+
+
 @triton.jit
 def _bf16_parts_kernel(x_ptr, parts_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
@@ -557,6 +576,9 @@ def test_bad_inputs_raise_value_error_naming_the_argument(gen, monkeypatch):
            g=args["g"].double(), backend="triton")
     big = torch.randn(B, N, H, 257)
     expect("K=257", q=big, k=big, ssm_state=torch.zeros(4, HV, 257, V))
+    expect(r"out must be \[B, N, HV, V\] = \[2, 8, 2, 16\]", out=torch.empty(B, N, HV, V + 1))
+    expect("out must be .* torch.float32", out=torch.empty(B, N, HV, V, dtype=torch.bfloat16))
+    expect("out must be contiguous", out=torch.empty(B, N, V, HV).transpose(-1, -2))
     with pytest.raises(ValueError, match="topolog"):
         build_tree_metadata(torch.tensor([[-1, 2, 0]]))
     with pytest.raises(ValueError, match="out of range"):

@@ -141,3 +141,49 @@ def test_tree_positions_are_prefix_plus_depth(gen, num_drafts, prompt_rows):
             expected[row] = row - j + int(step.meta.depths[r, j]) + 1000
     assert torch.equal(runner.positions, expected)
     assert torch.equal(runner.mrope_positions.gpu, (expected - 1000).repeat(3, 1))
+
+
+@pytest.mark.parametrize("num_nodes, out_dtype", [
+    ([5, 5], torch.bfloat16),  # full trees end to end: the verify writes vLLM's rows
+    ([5, 5], torch.float32),  # a buffer of another dtype: copied
+    ([5, 3], torch.bfloat16),  # ragged trees: copied to the real nodes' rows
+])
+def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, gen):
+    """tree_gdn_core with ``out`` (vLLM's output rows of the spec tokens) gives what it
+    returns without: the real nodes' outputs in their rows, nothing written elsewhere; a
+    dense step's verify writes the rows themselves (its ``o`` is a view of them)."""
+    from vllm_tfm.vllm_glue.gdn import tree_gdn_core
+    from vllm_tfm.vllm_glue.tree_step import request_nodes
+
+    R, N, H, HV, K, V, W = len(num_nodes), max(num_nodes), 1, 2, 16, 16, 4
+    parents, counts = random_tree_batch(gen, ["bushy", "chain"], N, num_nodes=num_nodes)
+    meta = build_tree_metadata(parents, counts, conv_width=W)
+    first_rows = np.concatenate([[0], np.cumsum(num_nodes)[:-1]])
+    nodes = request_nodes(meta, torch.tensor([7, 9], dtype=torch.int32), np.arange(R), first_rows,
+                          np.array(num_nodes))
+    assert (nodes.dense_start is not None) == (num_nodes == [N] * R)
+    T, C = sum(num_nodes), 2 * H * K + HV * V
+    layer = SimpleNamespace(activation="silu", conv1d=SimpleNamespace(bias=torch.randn(C, generator=gen)),
+                            A_log=torch.randn(HV, generator=gen), dt_bias=torch.randn(HV, generator=gen),
+                            key_dim=H * K, value_dim=HV * V, tp_size=1, head_k_dim=K, head_v_dim=V,
+                            prefix="layers.0")
+    mixed_qkv = torch.randn(T, C, generator=gen).bfloat16()
+    b, a = (torch.randn(T, HV, generator=gen).bfloat16() for _ in range(2))
+    weight = torch.randn(C, W, generator=gen)
+    conv_state, ssm_state = torch.randn(4, C, W - 1, generator=gen), torch.randn(4, HV, K, V, generator=gen)
+    slots = torch.tensor([2, 0])
+
+    def core(out=None):
+        step = SimpleNamespace(gdn_records={})
+        result = tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, weight, conv_state, ssm_state, slots,
+                               out=out)
+        return result, step.gdn_records["layers.0"].verify_out.o
+
+    expected, _ = core()
+    rows = torch.full((T + 2, HV, V), float("nan"), dtype=out_dtype)
+    out, o = core(rows[:T])
+    assert out.data_ptr() == rows.data_ptr()
+    assert torch.equal(out[nodes.rows], expected.to(out_dtype))
+    assert rows[T:].isnan().all()
+    direct = nodes.dense_start is not None and out_dtype == torch.bfloat16
+    assert (o.data_ptr() == rows.data_ptr()) == direct

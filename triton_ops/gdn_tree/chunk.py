@@ -22,7 +22,7 @@ batched PyTorch form (:mod:`.chunk_torch`); ``backend=`` overrides the choice.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -33,6 +33,7 @@ from triton_ops.utils import (
     check_same_device,
     host_readable,
     layer_offsets,
+    output_buffer,
     use_triton,
 )
 
@@ -82,6 +83,7 @@ def gdn_tree_verify(
     *,
     backend: str = "auto",
     precision: str = DEFAULT_PRECISION,
+    out: torch.Tensor | None = None,
 ) -> GDNTreeVerifyOutput:
     """Score all tree nodes of a GDN layer without writing any state.
 
@@ -101,22 +103,34 @@ def gdn_tree_verify(
         backend: "auto" (Triton for CUDA tensors, PyTorch otherwise), "torch",
             or "triton" (see :func:`triton_ops.utils.use_triton`).
         precision: dot precision of the Triton kernels, one of ``PRECISIONS``.
+        out: optional contiguous [B, N, HV, V] tensor of v's dtype that becomes the
+            output's ``o`` (the engine passes its layer's output rows when they hold the
+            nodes in this order, which saves a copy per layer).
 
     Returns:
         :class:`GDNTreeVerifyOutput`.
     """
     triton_path = use_triton(backend, q)
     _check_verify_inputs(q, k, v, g, beta, ssm_state, state_slots, meta, triton_path, precision)
+    if out is not None:
+        # The kernels write o row-major.
+        B, N, _, _ = q.shape
+        output_buffer(out, (B, N, *v.shape[2:]), v.dtype, v.device, "[B, N, HV, V]")
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous, got strides {out.stride()}")
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if triton_path:
         from triton_ops.gdn_tree.chunk_triton import verify_triton
 
         return verify_triton(
-            q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm, precision
+            q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm, precision, o=out
         )
     from triton_ops.gdn_tree.chunk_torch import verify_torch
 
-    return verify_torch(q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm)
+    result = verify_torch(q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm)
+    if out is None:
+        return result
+    return replace(result, o=out.copy_(result.o))
 
 
 def gdn_tree_commit(

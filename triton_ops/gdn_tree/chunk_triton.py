@@ -903,16 +903,19 @@ def verify_triton(
     num_warps: int | None = None,
     prepare_warps: int | None = None,
     kernel: str | None = None,
+    o: torch.Tensor | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
     ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
-    output kernel) and ``prepare_warps`` are tuning knobs for benchmarks."""
+    output kernel) and ``prepare_warps`` are tuning knobs for benchmarks. ``o``: a
+    contiguous [B, N, HV, V] tensor the outputs go to (checked by ``gdn_tree_verify``),
+    else a new one."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
     words = meta.ancestor_words.contiguous()
     dev = q.device
-    o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev)
+    o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev) if o is None else o
     delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
     gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
     k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)

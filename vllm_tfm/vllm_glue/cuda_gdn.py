@@ -92,15 +92,16 @@ def wrap_gdn_forward_core(original):
         weight = self.conv1d.weight
         width = weight.shape[-1]
         conv_state, ssm_state = _state_views(self, width)
+        # Without prompt rows the spec tokens are the first rows: their outputs go straight
+        # into vLLM's buffer (a dense step's verify writes them there).
         out = tree_gdn_core(
             self, step, step.spec_nodes(metadata.spec_sequence_masks_cpu),
             spec_qkv, spec_b, spec_a,
             weight.view(weight.shape[0], width), conv_state, ssm_state,
             metadata.spec_state_indices_tensor[:num_spec, 0].long(),
+            out=core_attn_out[: spec_qkv.shape[0]] if spec_rows is None else None,
         )
-        if spec_rows is None:
-            core_attn_out[: out.shape[0]] = out
-        else:
+        if spec_rows is not None:
             core_attn_out.index_copy_(0, spec_rows, out.to(core_attn_out.dtype))
 
     return _forward_core

@@ -20,13 +20,16 @@ from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord
 
 
 def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, ssm_state,
-                  slots) -> torch.Tensor:
-    """Core GDN output [T, HV, V] of the spec tokens (vLLM's token order).
+                  slots, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Core GDN output [T, HV, V] of the spec tokens (vLLM's token order): ``out`` when given.
 
     Args:
         nodes: the spec requests (``TreeStep.spec_nodes``), rows local to ``mixed_qkv``.
         conv_state: [slots, C, W-1] committed conv columns; ssm_state:
             [slots, HV, K, V]; slots: [R'] each sequence's state slot.
+        out: [T, HV, V], the layer's output rows of the spec tokens. When the nodes fill
+            them in order (a dense step) the verify writes its outputs there directly;
+            otherwise the real nodes' outputs are copied to their rows.
     """
     from triton_ops.gdn_tree import gdn_gating, gdn_tree_verify
     from triton_ops.tree_conv import tree_conv1d
@@ -38,8 +41,9 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
                     activation=activation)
     query, key, value = split_qkv(layer, y)
     g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
+    direct = out is not None and nodes.dense_start is not None and out.dtype == value.dtype
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
-                             use_qk_l2norm=True)
+                             use_qk_l2norm=True, out=nodes.to_nodes(out) if direct else None)
     # The commit reads the accepted nodes' inputs after the forward. A dense step's x is a
     # view of vLLM's mixed_qkv, whose memory a compiled graph may hand to a later buffer
     # once this layer returns (Inductor plans buffers across the GDN op where it does not
@@ -49,7 +53,11 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
         meta=meta, verify_out=result,
         conv_inputs=x if nodes.dense_start is None else x.clone(),
     )
-    return nodes.real_nodes(result.o)
+    if out is None:
+        return nodes.real_nodes(result.o)
+    if not direct:
+        nodes.write_rows(out, result.o)
+    return out
 
 
 def split_qkv(layer, y: torch.Tensor):
