@@ -163,6 +163,8 @@ def conv(gen):
     state = torch.randn(3, W - 1, C).bfloat16().transpose(1, 2)
     slots = torch.tensor([1, 2], dtype=torch.int32)
     tree_conv1d(x, weight, bias, state, slots, meta, activation="silu", backend="triton")
+    tree_conv1d(x, weight, bias, state, slots, meta, activation="silu", backend="triton",
+                inputs_out=torch.empty_like(x))  # the engine's dense steps: a copy of x too
     tree_conv1d_commit(state, slots, x, meta, torch.tensor([5, 0]), backend="triton")
     tree_conv1d_commit_layers([state, state], [slots, slots], [x, x], meta, torch.tensor([5, 0]),
                               backend="triton")

@@ -73,6 +73,24 @@ def test_trees_match_naive(backend, W, kind, gen):
         assert (out[~meta.valid] == 0).all()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_out_receives_the_real_nodes_inputs(backend, dtype, gen):
+    """``inputs_out`` gets each real node's input bit for bit (padding rows untouched),
+    and the conv's output is the same as without it."""
+    B, N, C, W = 3, 17, 40, 4
+    meta = random_tree_metadata(gen, ["bushy", "chain", "random"], N, [17, 5, 11], W)
+    x, weight, bias, conv_state, slots = conv_inputs(B, N, C, W, 4, dtype, gen)
+    plain = tree_conv1d(x, weight, bias, conv_state, slots, meta, backend=backend)
+    storage = torch.full((B, N, C + 3), float("nan"), dtype=dtype)
+    inputs = storage[..., 1 : C + 1]  # any strides
+    y = tree_conv1d(x, weight, bias, conv_state, slots, meta, backend=backend, inputs_out=inputs)
+    assert torch.equal(y, plain)
+    assert same_bits(inputs[meta.valid], x[meta.valid])
+    assert inputs[~meta.valid].isnan().all()
+    assert storage[..., 0].isnan().all() and storage[..., C + 1 :].isnan().all()
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_torch_path(dtype, gen):
     # The interpreter's bf16 is unreliable (triton#11584): half dtypes are covered on CPU
@@ -200,6 +218,8 @@ def test_bad_inputs_name_the_argument(gen, monkeypatch):
         tree_conv1d(**good, backend="cuda")
     with pytest.raises(ValueError, match="out"):
         tree_conv1d(**good, out=torch.empty(B, N, C + 1))
+    with pytest.raises(ValueError, match="inputs_out must be"):
+        tree_conv1d(**good, inputs_out=torch.empty(B, N, C, dtype=torch.float64))
     with pytest.raises(ValueError, match="conv_width"):
         tree_conv1d(**{**good, "meta": random_tree_metadata(gen, ["chain"] * 2, N, [4, 4], 1)})
     with pytest.raises(ValueError, match="accepted_leaf"):

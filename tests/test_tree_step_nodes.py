@@ -151,7 +151,8 @@ def test_tree_positions_are_prefix_plus_depth(gen, num_drafts, prompt_rows):
 def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, gen):
     """tree_gdn_core with ``out`` (vLLM's output rows of the spec tokens) gives what it
     returns without: the real nodes' outputs in their rows, nothing written elsewhere; a
-    dense step's verify writes the rows themselves (its ``o`` is a view of them)."""
+    dense step's verify writes the rows themselves (its ``o`` is a view of them). The
+    commit record keeps the nodes' inputs in memory of its own, never vLLM's mixed_qkv."""
     from vllm_tfm.vllm_glue.gdn import tree_gdn_core
     from vllm_tfm.vllm_glue.tree_step import request_nodes
 
@@ -177,7 +178,11 @@ def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, 
         step = SimpleNamespace(gdn_records={})
         result = tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, weight, conv_state, ssm_state, slots,
                                out=out)
-        return result, step.gdn_records["layers.0"].verify_out.o
+        record = step.gdn_records["layers.0"]
+        inputs = record.conv_inputs.flatten(0, 1)[nodes.slots]
+        assert torch.equal(inputs, mixed_qkv[nodes.rows])
+        assert record.conv_inputs.untyped_storage().data_ptr() != mixed_qkv.untyped_storage().data_ptr()
+        return result, record.verify_out.o
 
     expected, _ = core()
     rows = torch.full((T + 2, HV, V), float("nan"), dtype=out_dtype)

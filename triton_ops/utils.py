@@ -80,14 +80,16 @@ def output_buffer(
     dtype: torch.dtype,
     device: torch.device,
     dims: str,
+    name: str = "out",
 ) -> torch.Tensor:
     """``out`` once it matches what the op writes (any strides), else a new
-    contiguous tensor; ``dims`` names the shape in the error, e.g. ``"[B, N, C]"``."""
+    contiguous tensor; ``dims`` names the shape in the error, e.g. ``"[B, N, C]"``,
+    and ``name`` the argument."""
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != torch.device(device):
         raise ValueError(
-            f"out must be {dims} = {list(shape)} {dtype} on {device}, "
+            f"{name} must be {dims} = {list(shape)} {dtype} on {device}, "
             f"got {list(out.shape)} {out.dtype} on {out.device}"
         )
     return out

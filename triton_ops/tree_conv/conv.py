@@ -34,14 +34,15 @@ CUDA_TILES = (16, 256, 4)
 
 @triton.jit
 def _tree_conv1d_kernel(
-    x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, sources_ptr, num_nodes_ptr, y_ptr,
+    x_ptr, weight_ptr, bias_ptr, state_ptr, slots_ptr, sources_ptr, num_nodes_ptr, y_ptr, copy_ptr,
     N, C,
     stride_xb, stride_xn, stride_xc,
     stride_wc, stride_wt,
     stride_ss, stride_sc, stride_st,
     stride_qb, stride_qn, stride_qt,
     stride_yb, stride_yn, stride_yc,
-    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    stride_cb, stride_cn, stride_cc,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, COPY_X: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
     pid_c = tl.program_id(0)
@@ -76,6 +77,9 @@ def _tree_conv1d_kernel(
             weight_ptr + offs_c * stride_wc + (W - 1 - t) * stride_wt, mask=c_mask, other=0.0
         )
         acc += (x_val.to(tl.float32) + s_val.to(tl.float32)) * tap_weight.to(tl.float32)[None, :]
+        if COPY_X and t == 0:  # tap 0 is each node's own input
+            tl.store(copy_ptr + b * stride_cb + offs_n[:, None] * stride_cn + offs_c[None, :] * stride_cc,
+                     x_val, mask=valid[:, None] & c_mask[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_c, mask=c_mask, other=0.0).to(tl.float32)[None, :]
     if SILU:
@@ -180,6 +184,7 @@ def tree_conv1d(
     activation: str | None = "silu",
     backend: str = "auto",
     out: torch.Tensor | None = None,
+    inputs_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over draft trees, reading ancestors instead of predecessors.
 
@@ -197,6 +202,9 @@ def tree_conv1d(
         backend: ``"auto"`` (Triton on CUDA, PyTorch elsewhere), ``"torch"`` or
             ``"triton"`` (see :func:`triton_ops.utils.use_triton`).
         out: optional [B, N, C] tensor of x's dtype to write into (any strides).
+        inputs_out: optional [B, N, C] tensor of x's dtype (any strides) that receives
+            a copy of the real nodes' inputs, made while the kernel reads them (the engine
+            keeps them for the commit when ``x`` is a buffer it does not own).
 
     Returns:
         [B, N, C] in x's dtype (``out`` when given), accumulated in fp32;
@@ -210,8 +218,12 @@ def tree_conv1d(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     out = output_buffer(out, (B, N, C), x.dtype, x.device, "[B, N, C]")
+    if inputs_out is not None:
+        output_buffer(inputs_out, (B, N, C), x.dtype, x.device, "[B, N, C]", name="inputs_out")
 
     if not use_triton(backend, x):
+        if inputs_out is not None:
+            inputs_out.copy_(torch.where(meta.valid.unsqueeze(-1), x, inputs_out))
         taps = _inputs_with_state(x, conv_state, state_slots)
         index = (meta.conv_sources.long() + (W - 1)).view(B, N * W, 1).expand(-1, -1, C)
         taps = torch.gather(taps, 1, index).view(B, N, W, C)
@@ -227,22 +239,26 @@ def tree_conv1d(
     block_n, block_c, num_warps = CUDA_TILES
     launch_tree_conv1d(x, weight, bias, conv_state, state_slots, meta, activation, out,
                        block_n=min(block_n, triton.next_power_of_2(N)),
-                       block_c=min(block_c, triton.next_power_of_2(C)), num_warps=num_warps)
+                       block_c=min(block_c, triton.next_power_of_2(C)), num_warps=num_warps,
+                       inputs_out=inputs_out)
     return out
 
 
 def launch_tree_conv1d(x, weight, bias, conv_state, state_slots, meta, activation, out,
-                       block_n: int, block_c: int, num_warps: int) -> None:
+                       block_n: int, block_c: int, num_warps: int,
+                       inputs_out: torch.Tensor | None = None) -> None:
     """The Triton launch with explicit tiles (the benchmark sweeps them)."""
     B, N, C = x.shape
     sources = meta.conv_sources
+    copy = out if inputs_out is None else inputs_out  # unused without COPY_X
     _tree_conv1d_kernel[(triton.cdiv(C, block_c), triton.cdiv(N, block_n), B)](
         x, weight, bias if bias is not None else weight, conv_state, state_slots, sources,
-        meta.num_nodes, out,
+        meta.num_nodes, out, copy,
         N, C,
         *x.stride(), *weight.stride(), *conv_state.stride(), *sources.stride(), *out.stride(),
+        *copy.stride(),
         W=weight.shape[1], HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_N=block_n, BLOCK_C=block_c,
+        COPY_X=inputs_out is not None, BLOCK_N=block_n, BLOCK_C=block_c,
         num_warps=num_warps,
     )
 

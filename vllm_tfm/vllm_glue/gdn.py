@@ -36,22 +36,22 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
 
     meta = nodes.meta
     x = nodes.to_nodes(mixed_qkv)  # [R', N, C]
+    # The commit reads the accepted nodes' inputs after the forward. A dense step's x is a
+    # view of vLLM's mixed_qkv, whose memory a compiled graph may hand to a later buffer
+    # once this layer returns (Inductor plans buffers across the GDN op where it does not
+    # split the graph there): the conv kernel copies the inputs as it reads them.
+    conv_inputs = x if nodes.dense_start is None else torch.empty_like(x)
     activation = "silu" if layer.activation in ("silu", "swish") else None
     y = tree_conv1d(x, conv_weight, layer.conv1d.bias, conv_state, slots, meta,
-                    activation=activation)
+                    activation=activation, inputs_out=None if conv_inputs is x else conv_inputs)
     query, key, value = split_qkv(layer, y)
     g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
     direct = out is not None and nodes.dense_start is not None and out.dtype == value.dtype
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True, out=nodes.to_nodes(out) if direct else None)
-    # The commit reads the accepted nodes' inputs after the forward. A dense step's x is a
-    # view of vLLM's mixed_qkv, whose memory a compiled graph may hand to a later buffer
-    # once this layer returns (Inductor plans buffers across the GDN op where it does not
-    # split the graph there): the record keeps a copy.
     step.gdn_records[layer.prefix] = GDNCommitRecord(
         ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
-        meta=meta, verify_out=result,
-        conv_inputs=x if nodes.dense_start is None else x.clone(),
+        meta=meta, verify_out=result, conv_inputs=conv_inputs,
     )
     if out is None:
         return nodes.real_nodes(result.o)
