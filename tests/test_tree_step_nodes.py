@@ -192,3 +192,15 @@ def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, 
     assert rows[T:].isnan().all()
     direct = nodes.dense_start is not None and out_dtype == torch.bfloat16
     assert (o.data_ptr() == rows.data_ptr()) == direct
+
+
+def test_state_slots_are_made_once_per_slot_table(gen):
+    """Every GDN layer of a KV-cache group passes its group's slot table: column 0 as int64,
+    made once per table and step (one launch per group, not per layer)."""
+    step = mixed_step(gen, [2, 3], 0)
+    table_a = torch.tensor([[4, 9], [1, 8], [6, 7]], dtype=torch.int32)
+    table_b = table_a.clone()
+    slots = step.state_slots(table_a, 2)
+    assert slots.dtype == torch.int64 and slots.tolist() == [4, 1]
+    assert step.state_slots(table_a, 2) is slots
+    assert step.state_slots(table_b, 2) is not slots and step.state_slots(table_a, 3).tolist() == [4, 1, 6]

@@ -98,7 +98,7 @@ def wrap_gdn_forward_core(original):
             self, step, step.spec_nodes(metadata.spec_sequence_masks_cpu),
             spec_qkv, spec_b, spec_a,
             weight.view(weight.shape[0], width), conv_state, ssm_state,
-            metadata.spec_state_indices_tensor[:num_spec, 0].long(),
+            step.state_slots(metadata.spec_state_indices_tensor, num_spec),
             out=core_attn_out[: spec_qkv.shape[0]] if spec_rows is None else None,
         )
         if spec_rows is not None:

@@ -83,7 +83,7 @@ def wrap_cpu_spec_forward(original):
             return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,
                             conv_buf, ssm_state, width, state_len)
         num_spec = attn_metadata_i.num_spec_decodes
-        slots = attn_metadata_i.spec_state_indices_tensor[:num_spec, 0].long()
+        slots = step.state_slots(attn_metadata_i.spec_state_indices_tensor, num_spec)
         return tree_gdn_core(
             layer, step, step.spec_nodes(attn_metadata_i.spec_sequence_masks_cpu),
             mixed_qkv_spec, b_spec, a_spec,

@@ -182,6 +182,9 @@ class TreeStep:
     # spec_nodes' results, by the host mask's bytes: every GDN layer of a KV-cache group
     # reads the same mask, so the subset is indexed once per group and step.
     _spec_nodes: dict[bytes, RequestNodes] = dataclasses.field(default_factory=dict)
+    # state_slots' results, by the slot table's address: the GDN layers of a KV-cache group
+    # share their metadata's table, so its column becomes int64 once per group and step.
+    _state_slots: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def spec_nodes(self, spec_mask_cpu: torch.Tensor) -> RequestNodes:
         """The requests vLLM's GDN metadata runs as spec decodes (its host mask [R] bool),
@@ -197,6 +200,15 @@ class TreeStep:
             nodes = request_nodes(self.meta, self.prefix_lens, requests, first_rows, counts)
             self._spec_nodes[key] = nodes
         return nodes
+
+    def state_slots(self, spec_state_indices: torch.Tensor, num_spec: int) -> torch.Tensor:
+        """[num_spec] int64, each spec request's committed-state slot: column 0 of vLLM's
+        GDN ``spec_state_indices_tensor`` [R, ...]."""
+        key = (spec_state_indices.data_ptr(), num_spec)
+        slots = self._state_slots.get(key)
+        if slots is None:
+            slots = self._state_slots[key] = spec_state_indices[:num_spec, 0].long()
+        return slots
 
     def prime_spec_nodes(self, spec_mask: np.ndarray, nodes: RequestNodes) -> None:
         """Give ``spec_nodes`` its answer for ``spec_mask`` in advance (a step built
