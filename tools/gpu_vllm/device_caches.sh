@@ -6,7 +6,8 @@
 # - vLLM's compile cache (torch.compile's products, keyed by the whole vLLM config): without it
 #   an engine under vLLM's default compilation starts in ~360 s, with it in ~25 s (H100,
 #   2026-12-05: Dynamo + Inductor 63 s and Inductor's first "profiling/warmup" run 111 s, kept
-#   by the cache; BENCHMARKS.md, "Stop 27").
+#   by the cache; BENCHMARKS.md, "Stop 27"); with it travel vLLM's model-class inspections
+#   (modelinfos/), ~28 s a model class in a fresh machine's first engine without them.
 #
 #   bash tools/gpu_vllm/device_caches.sh save $OUT/cache          # device, end of a call
 #   bash tools/gpu_vllm/device_caches.sh merge /work/.device/N/cache_*.tar.xz.*   # here
@@ -36,13 +37,14 @@ pack() {
   if [ "$(ls "$prefix".tar.xz.* | wc -l)" -gt "$max" ]; then rm -f "$prefix".tar.xz.*; return 1; fi
 }
 
-# new_entries ROOT DEPTH: paths (relative to ROOT) of the entries DEPTH levels down made since
-# setup.sh unpacked the carried cache into ROOT (tar keeps the archive's times, older than .carried).
+# new_entries ROOT DEPTH TYPE: paths (relative to ROOT) of the entries of find's TYPE (d, f)
+# DEPTH levels down made since setup.sh unpacked the carried cache into ROOT (tar keeps the
+# archive's times, older than .carried).
 new_entries() {
   local newer=()
   [ -f "$1/.carried" ] && newer=(-newer "$1/.carried")
   [ -d "$1" ] || return 0
-  (cd "$1" && find . -mindepth "$2" -maxdepth "$2" -type d "${newer[@]}" | sed 's|^\./||')
+  (cd "$1" && find . -mindepth "$2" -maxdepth "$2" -type "$3" "${newer[@]}" | sed 's|^\./||')
 }
 
 # merge_into CARRIED PARTS...: CARRIED (a .tar.xz in the payload) becomes the union of itself
@@ -65,11 +67,14 @@ merge_into() {
 
 case "${1:-}" in
   save)
-    new_entries "$TRITON_DIR" 1 > /tmp/triton_new
+    new_entries "$TRITON_DIR" 1 d > /tmp/triton_new
     pack "$TRITON_DIR" /tmp/triton_new "${2}_triton" 99
     echo "triton cache: $(wc -l < /tmp/triton_new) new entries"
-    # vLLM's entries: torch_compile_cache/<config hash> and torch_aot_compile/<hash>.
-    new_entries "$VLLM_DIR" 2 | grep -E '^torch_(compile_cache|aot_compile)/' > /tmp/compile_new || true
+    # vLLM's entries: torch_compile_cache/<config hash>, torch_aot_compile/<hash>, and the
+    # model classes' inspections (modelinfos/*.json: without them each new process inspects
+    # every model class in a subprocess, ~28 s each on a fresh H100).
+    { new_entries "$VLLM_DIR" 2 d | grep -E '^torch_(compile_cache|aot_compile)/' || true
+      new_entries "$VLLM_DIR" 2 f | grep -E '^modelinfos/.*\.json$' || true; } > /tmp/compile_new
     if pack "$VLLM_DIR" /tmp/compile_new "${2}_compile" "${MAX_COMPILE_PARTS:-1}"; then
       echo "compile cache: $(wc -l < /tmp/compile_new) new entries"
     else
