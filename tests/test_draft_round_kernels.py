@@ -8,6 +8,7 @@ from triton_ops.weaver_step import (
     ExpandBatch,
     Frontier,
     GrowingTree,
+    add_rms_norm,
     extend_paths,
     naive_node_attention,
     naive_rms_norm,
@@ -15,6 +16,7 @@ from triton_ops.weaver_step import (
     pop_frontier,
     push_children,
     rms_norm,
+    silu_mul,
 )
 
 BACKENDS = ["triton", "torch"]
@@ -32,6 +34,52 @@ def test_rms_norm_matches_float64(backend, shape, dtype, gen):
     ref = naive_rms_norm(x, weight, bias, 1e-6)
     assert not torch.isnan(got).any()
     assert rel_err(got, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (2, 5, 33), (4, 130)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rms_norm_is_the_sum_then_its_norm(backend, shape, dtype, gen):
+    """The sum as x + residual gives it (bit for bit, but for the interpreter's own bf16
+    rounding: triton#11584), and the norm of that stored sum."""
+    x, residual = ((torch.randn(*shape, generator=gen) * 3).to(dtype) for _ in range(2))
+    weight, bias = torch.randn(shape[-1], generator=gen), torch.randn(shape[-1], generator=gen)
+    total, normed = add_rms_norm(x, residual, weight, bias, 1e-6, backend=backend)
+    assert total.shape == normed.shape == x.shape and total.dtype == normed.dtype == dtype
+    if backend == "torch" or dtype == torch.float32:
+        assert torch.equal(total, x + residual)
+    else:
+        assert rel_err(total, (x.double() + residual.double())) < 1e-2
+    assert not torch.isnan(normed).any()
+    assert rel_err(normed, naive_rms_norm(x + residual, weight, bias, 1e-6)) < (
+        1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 2), (3, 14), (2, 5, 66), (4, 260)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_float64(backend, shape, dtype, gen):
+    gate_up = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    got = silu_mul(gate_up, backend=backend)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    assert got.shape == up.shape and got.dtype == dtype
+    assert not torch.isnan(got).any()
+    assert rel_err(got, gate * torch.sigmoid(gate) * up) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_fused_ops_reject_bad_arguments(gen):
+    x = torch.randn(2, 8, generator=gen)
+    weight, bias = torch.ones(8), torch.zeros(8)
+    with pytest.raises(ValueError, match="residual must be"):
+        add_rms_norm(x, x[:, :4], weight, bias, 1e-6)
+    with pytest.raises(ValueError, match="residual must be"):
+        add_rms_norm(x, x.double(), weight, bias, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        add_rms_norm(x, x, weight[:4], bias, 1e-6)
+    with pytest.raises(ValueError, match=r"gate_up must be a float \[..., 2M\]"):
+        silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="gate_up"):
+        silu_mul(torch.ones(2, 8, dtype=torch.int64))
 
 
 def _frontier(gen, R, C):

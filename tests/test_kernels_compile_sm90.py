@@ -35,6 +35,7 @@ from triton_ops.testing import compiled_variants, random_tree_batch, random_tree
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
 from triton_ops.traversal import greedy_walk, traversal_law, walk_choices
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit, tree_conv1d_commit_layers
+from triton_ops.weaver_step.activation import silu_mul
 from triton_ops.weaver_step.attention import node_attention
 from triton_ops.weaver_step.frontier import (
     ExpandBatch,
@@ -44,7 +45,7 @@ from triton_ops.weaver_step.frontier import (
     push_children,
 )
 from triton_ops.weaver_step.node_paths import extend_paths
-from triton_ops.weaver_step.norm import rms_norm
+from triton_ops.weaver_step.norm import add_rms_norm, rms_norm
 
 POINTER_TYPES = {
     torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -195,6 +196,8 @@ def weaver_step(gen):
     R, C, w, P, D = 2, 24, 4, 32, 5
     x = torch.randn(R * w, 64, generator=gen).bfloat16()
     rms_norm(x, torch.randn(64), torch.randn(64), 1e-6, backend="triton")
+    add_rms_norm(x, x, torch.randn(64), torch.randn(64), 1e-6, backend="triton")
+    silu_mul(x, backend="triton")
     ints = (lambda high: torch.randint(0, high, (R, C), generator=gen))
     frontier = Frontier(torch.randn(R, C, generator=gen), ints(50), ints(5), ints(4),
                         torch.randn(R, C, generator=gen))

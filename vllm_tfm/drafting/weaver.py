@@ -37,7 +37,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from triton_ops.pool_logits import pool_logits_log_softmax
-from triton_ops.weaver_step import apply_rotary, extend_paths, node_attention, rms_norm
+from triton_ops.weaver_step import (
+    add_rms_norm,
+    apply_rotary,
+    extend_paths,
+    node_attention,
+    rms_norm,
+    silu_mul,
+)
 
 LAYOUTS = ("learned_pos", "rope_swiglu")
 # Sanity bounds: DFlash blocks are 16 wide and pools 512 deep; values far past
@@ -188,9 +195,16 @@ class WeaverRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The fused kernel has no backward: training keeps the PyTorch form.
-        backend = "torch" if torch.is_grad_enabled() else "auto"
-        return rms_norm(x, self.weight, self.bias, self.eps, backend=backend)
+        return rms_norm(x, self.weight, self.bias, self.eps, backend=_kernel_backend())
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + residual, its norm): one kernel on CUDA."""
+        return add_rms_norm(x, residual, self.weight, self.bias, self.eps, backend=_kernel_backend())
+
+
+def _kernel_backend() -> str:
+    """The fused kernels have no backward: training keeps the PyTorch forms."""
+    return "torch" if torch.is_grad_enabled() else "auto"
 
 
 class _WeaverBlock(nn.Module):
@@ -217,8 +231,8 @@ class _WeaverBlock(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., d_rank] plus o_proj of attn [..., H, hd], then plus the MLP."""
-        x = x + self.o_proj(attn.flatten(-2).to(x.dtype))
-        return x + self.mlp(self.norm_mlp(x))
+        x, normed = self.norm_mlp.add_and_norm(x, self.o_proj(attn.flatten(-2).to(x.dtype)))
+        return x + self.mlp(normed)
 
 
 class LearnedPosBlock(_WeaverBlock):
@@ -272,8 +286,7 @@ class RopeSwigluBlock(_WeaverBlock):
         return angles.cos(), angles.sin()
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(h), backend=_kernel_backend()))
 
 
 _BLOCKS = {"learned_pos": LearnedPosBlock, "rope_swiglu": RopeSwigluBlock}
