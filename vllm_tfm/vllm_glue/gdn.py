@@ -46,7 +46,8 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
                     activation=activation, inputs_out=None if conv_inputs is x else conv_inputs)
     query, key, value = split_qkv(layer, y)
     g, beta = gdn_gating(nodes.to_nodes(a), nodes.to_nodes(b), layer.A_log, layer.dt_bias)
-    direct = out is not None and nodes.dense_start is not None and out.dtype == value.dtype
+    direct = (out is not None and nodes.dense_start is not None and out.dtype == value.dtype
+              and out.is_contiguous())
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
                              use_qk_l2norm=True, out=nodes.to_nodes(out) if direct else None)
     step.gdn_records[layer.prefix] = GDNCommitRecord(
