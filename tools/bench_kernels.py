@@ -677,6 +677,9 @@ def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
             ""]
 
 
+GDN_SECTIONS = ("correctness", "timing", "precision", "padding", "sweep", "commit-sweep")
+
+
 def bench_gdn(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
@@ -688,9 +691,7 @@ def bench_gdn(args) -> list[str]:
         "sweep": lambda: gdn_config_sweep(device, args, deadline),
         "commit-sweep": lambda: gdn_commit_sweep(device, args, deadline),
     }
-    unknown = sorted(set(args.gdn_sections) - set(sections))
-    if unknown:
-        raise ValueError(f"--gdn-sections: unknown {unknown}; choose from {sorted(sections)}")
+    assert tuple(sections) == GDN_SECTIONS
     return run_sections("gdn", [sections[name] for name in args.gdn_sections], args)
 
 
@@ -1132,19 +1133,24 @@ def attention_min_chunk_sweep(device, args) -> list[str]:
                  ["prefix", "min_chunk", "active splits", "error vs torch fp32", "graph"], rows)
 
 
+ATTN_SECTIONS = ("correctness", "sweep", "min-chunk", "timing", "kv-commit")
+
+
 def bench_attention(args) -> list[str]:
     device = args.device
     deadline = time.monotonic() + args.budget_s
     args.attention_rows = None
-    sections = [
-        lambda: attention_correctness(device, args.smoke, args.failed),
-        lambda: attention_config_sweep(device, args),
-        lambda: attention_min_chunk_sweep(device, args),
-        lambda: attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device), deadline),
-        lambda: kv_commit_table(device, args, copy_bandwidth(device)),
-        lambda: markdown_table(*args.attention_rows) if args.attention_rows else [],
-    ]
-    return run_sections("attn", sections, args)
+    sections = {
+        "correctness": lambda: attention_correctness(device, args.smoke, args.failed),
+        "sweep": lambda: attention_config_sweep(device, args),
+        "min-chunk": lambda: attention_min_chunk_sweep(device, args),
+        "timing": lambda: [*attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device),
+                                                   deadline),
+                           *(markdown_table(*args.attention_rows) if args.attention_rows else [])],
+        "kv-commit": lambda: kv_commit_table(device, args, copy_bandwidth(device)),
+    }
+    assert tuple(sections) == ATTN_SECTIONS
+    return run_sections("attn", [sections[name] for name in args.attn_sections], args)
 
 
 # --- sampled verifiers -----------------------------------------------------------------------
@@ -1347,8 +1353,11 @@ def main() -> int:
                         help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
     parser.add_argument("--profile-gdn", action="store_true",
                         help="only launch the GDN kernels at the key shapes (run it under ncu)")
-    parser.add_argument("--gdn-sections", default="correctness,timing,precision,padding,sweep,commit-sweep",
+    parser.add_argument("--gdn-sections", default=",".join(GDN_SECTIONS),
                         help="GDN: comma list of the sections to run, in this order")
+    parser.add_argument("--attn-sections", default=",".join(ATTN_SECTIONS),
+                        help="attention: comma list of the sections to run, in this order (sweep and "
+                             "min-chunk also need --sweep)")
     parser.add_argument("--gdn-shapes", default="",
                         help="GDN timing table and verify sweep: only these NxB shapes, e.g. 65x1,17x8 "
                              "(default: the table N in 16..128, B in 1, 8, 32; the sweep 128x1,64x8,128x8,64x32)")
@@ -1375,7 +1384,12 @@ def main() -> int:
         parser.error("--smoke runs the kernels interpreted: set TRITON_INTERPRET=1")
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU, or pass --smoke")
-    args.gdn_sections = [name for name in args.gdn_sections.split(",") if name]
+    for option, known in (("gdn_sections", GDN_SECTIONS), ("attn_sections", ATTN_SECTIONS)):
+        names = [name for name in getattr(args, option).split(",") if name]
+        unknown = sorted(set(names) - set(known))
+        if unknown:
+            parser.error(f"--{option.replace('_', '-')}: unknown {unknown}; choose from {list(known)}")
+        setattr(args, option, names)
     args.kernels = [name for name in args.kernels.split(",") if name]
     try:
         args.gdn_shapes = [tuple(int(x) for x in item.split("x")) for item in args.gdn_shapes.split(",") if item]
