@@ -999,6 +999,28 @@ ATTENTION_CANDIDATES = {
 }
 
 
+def attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, smoke):
+    """One request's tree of N nodes over a prefix for the split-kernel sweeps: (calls,
+    out, ref) where ``calls(config)`` is one launch per layer over distinct layers' caches
+    (so that short prefixes do not sit in L2), writing ``out``; ``ref`` is the PyTorch path
+    in fp32. ``smoke``: fp32 inputs (the interpreter's bf16 is unreliable)."""
+    from triton_ops.tree_attention.attention import launch_tree_attention
+
+    layers = layers_for(prefix_len * Hkv * D * 2 * 2)
+    keys, values, table_, meta, q, prefix = attention_inputs(gen, 1, N, prefix_len, Hq, Hkv, D, device, layers)
+    if smoke:
+        q, keys, values = q.float(), [k.float() for k in keys], [v.float() for v in values]
+    out = torch.full_like(q, math.nan)
+    ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix, meta, D**-0.5,
+                               backend="torch")
+
+    def calls(config) -> list:
+        return [lambda i=i: launch_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix, meta,
+                                                  D**-0.5, None, None, out, config)
+                for i in range(GRAPH_REPEATS)]
+    return calls, out, ref
+
+
 def attention_config_sweep(device, args) -> list[str]:
     """Split-kernel parameters at B = 1, prefix 32k; the tables then use the fastest of
     each row-tile height (``attention.CUDA_TILES``). ``--smoke``: tiny shapes on CPU,
@@ -1006,7 +1028,7 @@ def attention_config_sweep(device, args) -> list[str]:
     if not args.sweep:
         return []
     import triton_ops.tree_attention.attention as attention_module
-    from triton_ops.tree_attention.attention import KernelConfig, launch_tree_attention, split_count
+    from triton_ops.tree_attention.attention import KernelConfig, split_count
 
     gen = torch.Generator().manual_seed(22)
     Hq, Hkv, D, prefix_len = (6, 2, 32, 300) if args.smoke else (24, 4, 256, 32768)
@@ -1014,23 +1036,13 @@ def attention_config_sweep(device, args) -> list[str]:
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     rows, totals = [], {}
     for N in (32, 64, 128):
-        layers = layers_for(prefix_len * Hkv * D * 2 * 2)
-        keys, values, table_, meta, q, prefix = attention_inputs(gen, 1, N, prefix_len, Hq, Hkv, D, device, layers)
-        if args.smoke:
-            q, keys, values = q.float(), [k.float() for k in keys], [v.float() for v in values]
-        out = torch.full_like(q, math.nan)
-        ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix, meta, D**-0.5,
-                                   backend="torch")
+        case_calls, out, ref = attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, args.smoke)
         for height, candidates in ATTENTION_CANDIDATES.items():
             for tiles in candidates:
                 block_m, block_n, warps, stages, per_sm, slack = tiles
                 splits = split_count(-(-N * G // block_m) * Hkv, num_sms * per_sm)
                 config = KernelConfig(block_m, block_n, warps, stages, 2 * block_n, splits, per_sm, slack)
-                calls = [
-                    lambda i=i: launch_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix,
-                                                      meta, D**-0.5, None, None, out, config)
-                    for i in range(GRAPH_REPEATS)
-                ]
+                calls = case_calls(config)
                 try:
                     out.fill_(math.nan)
                     kernel = calls[0]()
@@ -1047,7 +1059,7 @@ def attention_config_sweep(device, args) -> list[str]:
                          if device.type == "cuda" else "-")
                 totals[tiles] = totals.get(tiles, 0.0) + us
                 rows.append([str(N), "x".join(f"{x:g}" for x in tiles), str(splits), fmt(us), build, fmt_err(err)])
-        del keys, values
+        del case_calls, out, ref  # the caches
     chosen = []
     for height, candidates in ATTENTION_CANDIDATES.items():
         finite = [t for t in candidates if math.isfinite(totals.get(t, math.nan))]
@@ -1094,29 +1106,19 @@ def attention_min_chunk_sweep(device, args) -> list[str]:
     PyTorch path in fp32 first. ``--smoke``: tiny shapes on CPU, the checks alone."""
     if not args.sweep:
         return []
-    from triton_ops.tree_attention.attention import launch_tree_attention
-
     gen = torch.Generator().manual_seed(23)
     Hq, Hkv, D, N = (6, 2, 32, 17) if args.smoke else (24, 4, 256, 65)
     rows = []
     for prefix_len in ((40, 300) if args.smoke else (1024, 8192, 32768)):
-        layers = layers_for(prefix_len * Hkv * D * 2 * 2)
-        keys, values, table_, meta, q, prefix = attention_inputs(gen, 1, N, prefix_len, Hq, Hkv, D, device, layers)
-        if args.smoke:
-            q, keys, values = q.float(), [k.float() for k in keys], [v.float() for v in values]
-        ref = paged_tree_attention(q.float(), keys[0].float(), values[0].float(), table_, prefix, meta, D**-0.5,
-                                   backend="torch")
-        default = kernel_config(q, Hkv)
-        out = torch.full_like(q, math.nan)
+        case_calls, out, ref = attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, args.smoke)
+        default = kernel_config(out, Hkv)
         for tiles in MIN_CHUNK_TILES:
             config = dataclasses.replace(default, min_chunk=tiles * default.block_n)
             # As the split kernel cuts the prefix: whole key tiles, at least min_chunk keys.
             per_split = -(-prefix_len // config.num_splits)
             chunk = max(-(-per_split // config.block_n) * config.block_n, config.min_chunk)
             active = -(-prefix_len // chunk)
-            calls = [lambda i=i: launch_tree_attention(q, keys[i % layers], values[i % layers], table_, prefix,
-                                                       meta, D**-0.5, None, None, out, config)
-                     for i in range(GRAPH_REPEATS)]
+            calls = case_calls(config)
             out.fill_(math.nan)
             calls[0]()
             err = rel_err(out, ref)
@@ -1127,7 +1129,7 @@ def attention_min_chunk_sweep(device, args) -> list[str]:
                 continue
             rows.append([str(prefix_len), str(config.min_chunk), str(active), fmt_err(err),
                          fmt(guarded(label, lambda: time_graph(calls, device)))])
-        del keys, values
+        del case_calls, out, ref  # the caches
     return table(f"tree attention by the split kernel's min_chunk (N={N}, B=1, {Hq} q / {Hkv} kv heads, D={D}; "
                  f"us, graph, split + merge; active splits of the default's {default.num_splits})",
                  ["prefix", "min_chunk", "active splits", "error vs torch fp32", "graph"], rows)
@@ -1244,6 +1246,20 @@ def target_linears(config: dict) -> list[tuple[str, int, int, int]]:
     ]
 
 
+def layer_weights(fan_in: int, fan_out: int, device) -> list[torch.Tensor]:
+    """bf16 weights of as many layers of one linear as overflow L2 twice."""
+    return [torch.randn(fan_out, fan_in, device=device, dtype=torch.bfloat16)
+            for _ in range(layers_for(2 * fan_in * fan_out))]
+
+
+def time_linear(x: torch.Tensor, weights: list[torch.Tensor], device, label: str) -> float:
+    """Microseconds of F.linear(x, w) (the call vLLM's unquantized layers and the Weaver
+    make), graph-replayed over ``weights``, one layer after another."""
+    fns = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
+    fns *= max(1, GRAPH_REPEATS // len(fns))
+    return guarded(label, lambda: time_graph(fns, device))
+
+
 def gemm_table(device, args) -> list[str]:
     """Each linear layer of Qwen3.6-27B at M tokens (F.linear, the call vLLM's unquantized
     layers make), and their sum over one target forward: what M - 1 tree nodes cost in the
@@ -1269,13 +1285,9 @@ def gemm_table(device, args) -> list[str]:
     args.failed += failed
     times = {}
     for name, fan_in, fan_out, _ in linears:
-        weights = [torch.randn(fan_out, fan_in, device=device, dtype=torch.bfloat16)
-                   for _ in range(layers_for(2 * fan_in * fan_out))]
+        weights = layer_weights(fan_in, fan_out, device)
         for M in tokens:
-            x = x_all[:M, :fan_in]
-            fns = [lambda w=w: torch.nn.functional.linear(x, w) for w in weights]
-            fns *= max(1, GRAPH_REPEATS // len(fns))
-            times[name, M] = guarded(f"{name} M={M}", lambda: time_graph(fns, device))
+            times[name, M] = time_linear(x_all[:M, :fan_in], weights, device, f"{name} M={M}")
         del weights
     forward = {M: sum(times[name, M] * count for name, _, _, count in linears) / 1e3 for M in tokens}
     rows = [[str(M), *(fmt(times[name, M]) for name, *_ in linears), fmt(forward[M], 2),
@@ -1297,21 +1309,20 @@ def weaver_gemm_table(device, args, bandwidth: float) -> list[str]:
     shape = train_weaver.parse_args(["--out", "-", "--features", "-", *QWEN36_WEAVER_ARGS])
     d, mlp = (64, 48) if args.smoke else (shape.d_rank, shape.mlp_dim)
     linears = [("qkv", d, 3 * d), ("o", d, d), ("gate_up", d, 2 * mlp), ("down", mlp, d)]
-    gen = torch.Generator().manual_seed(15)
+    tokens = (4, 32, 128)
+    x_all = torch.randn(max(tokens), d, generator=torch.Generator().manual_seed(15)).to(device, torch.bfloat16)
+    times = {}
+    for name, fan_in, fan_out in linears:
+        weights = layer_weights(fan_in, fan_out, device)
+        for M in tokens:
+            times[name, M] = time_linear(x_all[:M, :fan_in], weights, device, f"weaver {name} M={M}")
+        del weights
+    floors = [2 * fan_in * fan_out / bandwidth * 1e6 for _, fan_in, fan_out in linears]
     rows = []
-    for M in (4, 32, 128):
-        x = torch.randn(M, d, generator=gen).to(device, torch.bfloat16)
-        times, floors = [], []
-        for name, fan_in, fan_out in linears:
-            weights = [torch.randn(fan_out, fan_in, generator=gen).to(device, torch.bfloat16)
-                       for _ in range(layers_for(2 * fan_in * fan_out))]
-            xs = x[:, :fan_in]
-            fns = [lambda w=w: torch.nn.functional.linear(xs, w) for w in weights]
-            fns *= max(1, GRAPH_REPEATS // len(fns))
-            times.append(guarded(f"weaver {name} M={M}", lambda: time_graph(fns, device)))
-            floors.append(2 * fan_in * fan_out / bandwidth * 1e6)
-        rows.append([str(M), *(f"{fmt(t)} / {fmt(f, 2)}" for t, f in zip(times, floors)),
-                     fmt(sum(times)), fmt(sum(times) / sum(floors), 2)])
+    for M in tokens:
+        call = [times[name, M] for name, *_ in linears]
+        rows.append([str(M), *(f"{fmt(t)} / {fmt(f, 2)}" for t, f in zip(call, floors)),
+                     fmt(sum(call)), fmt(sum(call) / sum(floors), 2)])
     return table(f"Weaver's linear layers at M rows of one expansion call (d_rank {d}, mlp {mlp}; us, "
                  "graph / bytes floor)", ["M", *(name for name, *_ in linears), "call", "call / floor"], rows)
 
