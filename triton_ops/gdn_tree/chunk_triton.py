@@ -342,7 +342,9 @@ def batched_unit_lower_inverse(a3, NB: tl.constexpr, BT: tl.constexpr):
     pos = tl.arange(0, BT)
     row = pos[None, :, None]
     t3 = tl.where(row == pos[None, None, :], 1.0, 0.0) + tl.zeros([NB, BT, BT], dtype=tl.float32)
-    for i in tl.static_range(1, BT):
+    # A loop, not unrolled: each step needs the last, and unrolled the 15 steps were ~1.3k
+    # of the engine's 65-node verify's 10.9k sm_90 instructions.
+    for i in range(1, BT):
         a_i = tl.sum(tl.where(row == i, a3, 0.0), axis=1)
         t_i = tl.where(pos[None, :] == i, 1.0, 0.0) - tl.sum(a_i[:, :, None] * t3, axis=1)
         t3 = tl.where(row == i, t_i[:, None, :], t3)
@@ -363,7 +365,7 @@ def block_forward_solve(a, rhs, NP: tl.constexpr, BT: tl.constexpr, PREC: tl.con
     d3 = batched_unit_lower_inverse(diagonal_blocks(a, NB, BT), NB, BT)
     a_off = tl.where(blk[:, None] == blk[None, :], 0.0, a)
     x = tl.reshape(tl.dot(d3, tl.reshape(rhs, [NB, BT, W]), input_precision=PREC), [NP, W])
-    for r in tl.static_range(1, NB):
+    for r in range(1, NB):  # a loop, not unrolled, as in batched_unit_lower_inverse
         y = tl.reshape(rhs - tl.dot(a_off, x, input_precision=PREC), [NB, BT, W])
         x = tl.where(blk[:, None] == r, tl.reshape(tl.dot(d3, y, input_precision=PREC), [NP, W]), x)
     return x
@@ -416,19 +418,21 @@ def tile_root_row(
 
 @triton.jit
 def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K,
-                  BK: tl.constexpr, BKC: tl.constexpr):
+                  BK: tl.constexpr, BKC: tl.constexpr, PREC: tl.constexpr, LOWP: tl.constexpr):
     """(k_i . k_0, q_i . k_0) of ``rows``, raw (unnormalised): node 0's column of the peeled
-    kernels' A and P before the norms and the decay."""
-    k_k0 = tl.zeros(rows.shape, dtype=tl.float32)
-    q_k0 = tl.zeros(rows.shape, dtype=tl.float32)
+    kernels' A and P before the norms and the decay. Dots against k_0 as the first of 16
+    columns (the smallest dot), not row sums: an fp32 row sum of a [rows, BKC] tile compiled
+    to ~450 sm_90 instructions, the dot and its 16-column sum to a tenth of that."""
+    first = tl.arange(0, 16) == 0
+    k_k0 = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
+    q_k0 = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
     for j in tl.static_range(BK // BKC):
         ck = j * BKC + tl.arange(0, BKC)
-        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
-        b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-        k_k0 += tl.sum(b_k.to(tl.float32) * k0[None, :], axis=1)
-        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-        q_k0 += tl.sum(b_q.to(tl.float32) * k0[None, :], axis=1)
-    return k_k0, q_k0
+        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0)
+        k0_column = tl.where(first[None, :], k0[:, None], tl.zeros([BKC, 16], dtype=k0.dtype))
+        k_k0 = k_k0 + dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), k0_column, PREC, LOWP)
+        q_k0 = q_k0 + dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), k0_column, PREC, LOWP)
+    return tl.sum(k_k0, axis=1), tl.sum(q_k0, axis=1)
 
 
 @triton.jit
@@ -469,7 +473,8 @@ def tile_row_block(
         gr_hi, gr_lo = fp32_pair(g_r)
 
         if PEEL:  # before the state products, while few tiles are alive (sm_90 spills 648 -> 504 B)
-            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC)
+            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC,
+                                       PREC, LOWP_QK)
 
         # Passes over K in chunks of BKC, each keeping few tiles alive (register pressure,
         # not bandwidth, limits this kernel; the re-reads of q and k hit cache): K S0, Q S0
@@ -736,7 +741,7 @@ def _verify_output_kernel(
     scale, N, HV, K, V, W,
     GROUP: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr, PEEL: tl.constexpr, BK: tl.constexpr,
     BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr,
-    SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+    LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -774,7 +779,8 @@ def _verify_output_kernel(
         pos = r * SB + tl.arange(0, SB)
         rows = PEEL + pos
         if PEEL:  # before the state products, while few tiles are alive (tile_row_block's spills)
-            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC)
+            k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC,
+                                       PREC, LOWP_QK)
         ks = tl.zeros([SB, BV], dtype=tl.float32)
         qs = tl.zeros([SB, BV], dtype=tl.float32)
         k_sq = tl.zeros([SB], dtype=tl.float32)
@@ -950,13 +956,13 @@ def verify_triton(
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     SB = min(NP, MAX_SUPER_BLOCK)
     common = dict(GROUP=HV // H, NP=NP, SB=SB, PEEL=peel, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
-                  PREC=precision)
+                  PREC=precision, LOWP_QK=lowp)
     _verify_prepare_kernel[(NP // SB, B * HV)](
         q, k, g, beta, words, meta.num_nodes,
         gate_sum, k_normed, solve, scores,
         *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
         scale, N, HV, K, words.shape[-1],
-        BT=ROW_BLOCK, LOWP_QK=lowp, num_warps=prepare_warps or 4, **common,
+        BT=ROW_BLOCK, num_warps=prepare_warps or 4, **common,
     )
     BV, warps = default_output_config(B * HV, V)
     BV = max(MIN_BLOCK_V, block_v or BV)
