@@ -1,5 +1,7 @@
 """Every Triton kernel of ``triton_ops`` through Triton's compiler and ptxas for sm_90
-(the H200), on this CPU machine.
+(the H200), on this CPU machine, with this machine's Triton and with the device image's
+(``tools/setup_env.sh`` installs it beside the venv: a kernel that compiled under one and
+not the other would first fail on the device).
 
 The interpreter runs a kernel as Python and never compiles it, so what only the compiler
 refuses (a module global read inside ``@triton.jit``, a type that a GPU-only branch gets
@@ -16,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +78,24 @@ for launch in json.load(sys.stdin):
     vector = {op: ptx.count(op + ".global.v4") + ptx.count(op + ".global.v2") for op in ("ld", "st")}
     print("compiled", launch["kernel"], json.dumps(vector), flush=True)
 """
+
+
+# The Triton of the device image (/work/.library/device/KINDS.md: triton 3.6.0), installed
+# by tools/setup_env.sh as a plain directory put first on the compiler process's path.
+DEVICE_TRITON = Path(sys.prefix) / "triton-device"
+COMPILERS = {"local": None, "device": DEVICE_TRITON}
+
+
+def compiler_env(compiler: str) -> dict:
+    """The compiler process's environment: no interpreter; the device's Triton first on
+    the path for "device"."""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    root = COMPILERS[compiler]
+    if root is not None:
+        if not (root / "triton").is_dir():
+            raise FileNotFoundError(f"{root} holds no Triton: run tools/setup_env.sh")
+        env["PYTHONPATH"] = os.pathsep.join([str(root), os.getcwd(), env.get("PYTHONPATH", "")])
+    return env
 
 
 def scalar_type(value) -> str:
@@ -284,14 +305,14 @@ def test_compiled_variants_list_each_kernels_cache_entries():
     assert compiled_variants() == []  # interpreted here: nothing compiled
 
 
-def compile_launches(launches: list) -> list[dict]:
-    """Compile each distinct launch for sm_90; for every launch, its kernel's count of
-    vector global loads and stores in the PTX (``{"ld": n, "st": n}``)."""
+def compile_launches(launches: list, compiler: str = "local") -> list[dict]:
+    """Compile each distinct launch for sm_90 with ``compiler`` (:data:`COMPILERS`); for
+    every launch, its kernel's count of vector global loads and stores in the PTX
+    (``{"ld": n, "st": n}``)."""
     keys = [json.dumps(describe_launch(*launch), sort_keys=True) for launch in launches]
     unique = list(dict.fromkeys(keys))
     done = subprocess.run([sys.executable, "-c", COMPILER], input=f"[{', '.join(unique)}]",
-                          capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "TRITON_INTERPRET": "0"})
+                          capture_output=True, text=True, timeout=900, env=compiler_env(compiler))
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.startswith("compiled")]
     assert len(lines) == len(unique)
@@ -299,11 +320,19 @@ def compile_launches(launches: list) -> list[dict]:
     return [vectors[key] for key in keys]
 
 
+@pytest.mark.parametrize("compiler", sorted(COMPILERS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_launch_compiles_for_sm90(case, gen, monkeypatch):
+def test_every_launch_compiles_for_sm90(case, compiler, gen, monkeypatch):
     launches = recorded_launches(case, gen, monkeypatch)
     assert launches, f"{case} launched no kernel"
-    compile_launches(launches)
+    compile_launches(launches, compiler)
+
+
+def test_the_device_compiler_is_the_device_images_triton():
+    done = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__, triton.__file__)"],
+                          capture_output=True, text=True, env=compiler_env("device"))
+    version, path = done.stdout.split()
+    assert version == "3.6.0" and path.startswith(str(DEVICE_TRITON)), done.stdout
 
 
 def test_a_commit_of_several_layers_loads_as_a_commit_of_one(gen, monkeypatch):
