@@ -13,8 +13,6 @@ run, and each is compiled with the argument types and constexprs it was launched
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
 import subprocess
 import sys
@@ -23,9 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import triton.language as tl
 from test_tree_attention import make_paged_batch
-from triton.runtime.interpreter import InterpretedFunction
 
 import triton_ops.gdn_tree.chunk_triton as chunk_triton
 import triton_ops.tree_metadata as tree_metadata
@@ -34,7 +30,15 @@ from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, gdn_tree_commit, gdn_tr
 from triton_ops.gdn_tree.fused_recurrent import fused_recurrent_gdn_tree
 from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.pool_logits import pool_logits_log_softmax
-from triton_ops.testing import compiled_variants, random_tree_batch, random_tree_metadata, triton_kernels
+from triton_ops.testing import (
+    compile_sm90,
+    compiled_variants,
+    device_triton,
+    random_tree_batch,
+    random_tree_metadata,
+    recording_launches,
+    triton_kernels,
+)
 from triton_ops.tree_attention import paged_tree_attention, tree_kv_commit
 from triton_ops.traversal import greedy_walk, traversal_law, walk_choices
 from triton_ops.tree_conv import tree_conv1d, tree_conv1d_commit, tree_conv1d_commit_layers
@@ -50,91 +54,10 @@ from triton_ops.weaver_step.frontier import (
 from triton_ops.weaver_step.node_paths import extend_paths
 from triton_ops.weaver_step.norm import add_rms_norm, rms_norm
 
-POINTER_TYPES = {
-    torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-    torch.float64: "fp64", torch.int64: "i64", torch.int32: "i32", torch.int16: "i16",
-    torch.int8: "i8", torch.uint8: "u8", torch.bool: "i1",
-}
-LAUNCH_OPTIONS = ("num_warps", "num_stages")
-# Modules whose kernels' constexprs depend on interpreting() (fp32 stand-ins for 16-bit dots).
-GPU_CHOICE_MODULES = (chunk_triton, tree_metadata)
-# Compiles the launches (JSON on stdin) in a process without the interpreter: there every
-# @triton.jit function, Triton's own (tl.sum's combine) included, is a compilable JITFunction.
-COMPILER = """
-import importlib, json, sys
-import triton, triton.language as tl
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-for launch in json.load(sys.stdin):
-    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-    constexprs = {(index,): tl.dtype(value["dtype"]) if isinstance(value, dict) else value
-                  for index, value in launch["constexprs"]}
-    attrs = {(index,): [["tt.divisibility", 16]] for index in launch["divisible"]}
-    source = ASTSource(kernel, launch["signature"], constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options=launch["options"])
-    assert compiled.asm["cubin"], launch["kernel"]
-    ptx = compiled.asm["ptx"]
-    vector = {op: ptx.count(op + ".global.v4") + ptx.count(op + ".global.v2") for op in ("ld", "st")}
-    print("compiled", launch["kernel"], json.dumps(vector), flush=True)
-"""
-
-
 # The Triton of the device image (/work/.library/device/KINDS.md: triton 3.6.0), installed
-# by tools/setup_env.sh as a plain directory put first on the compiler process's path.
-DEVICE_TRITON = Path(sys.prefix) / "triton-device"
-COMPILERS = {"local": None, "device": DEVICE_TRITON}
-
-
-def compiler_env(compiler: str) -> dict:
-    """The compiler process's environment: no interpreter; the device's Triton first on
-    the path for "device"."""
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    root = COMPILERS[compiler]
-    if root is not None:
-        if not (root / "triton").is_dir():
-            raise FileNotFoundError(f"{root} holds no Triton: run tools/setup_env.sh")
-        env["PYTHONPATH"] = os.pathsep.join([str(root), os.getcwd(), env.get("PYTHONPATH", "")])
-    return env
-
-
-def scalar_type(value) -> str:
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(1 << 31) <= value < (1 << 31) else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"no Triton type for {type(value).__name__} {value!r}")
-
-
-def describe_launch(fn, args, kwargs) -> dict:
-    """One recorded launch of ``fn`` (the kernel's Python function) as the compiler takes
-    it: argument types, constexpr values (dtypes by name), launch options."""
-    parameters = inspect.signature(fn).parameters
-    values = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items()
-                                            if k not in LAUNCH_OPTIONS}
-    signature, constexprs, divisible = {}, [], []
-    for index, (name, parameter) in enumerate(parameters.items()):
-        value = values.get(name, parameter.default)
-        if "constexpr" in str(parameter.annotation) or value is None:
-            signature[name] = "constexpr"
-            constexprs.append((index, {"dtype": value.name} if isinstance(value, tl.dtype)
-                               else value))
-        elif isinstance(value, torch.Tensor):
-            signature[name] = "*" + POINTER_TYPES[value.dtype]
-            divisible += [index] if value.data_ptr() % 16 == 0 else []
-        elif type(value) is int and value == 1:
-            signature[name] = "constexpr"
-            constexprs.append((index, 1))
-        else:
-            signature[name] = scalar_type(value)
-            divisible += [index] if type(value) is int and value % 16 == 0 else []
-    # As a launch specialises them: integers equal to 1 as constants, pointers and integers
-    # divisible by 16 as such.
-    return {"module": fn.__module__, "kernel": fn.__name__, "signature": signature,
-            "constexprs": constexprs, "divisible": divisible,
-            "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}}
+# by tools/setup_env.sh beside the venv, and this machine's.
+DEVICE_TRITON_VERSION = "3.6.0"
+COMPILERS = ("local", "device")
 
 
 def gdn_inputs(gen, B=2, N=65, H=2, HV=4, K=128):
@@ -271,26 +194,17 @@ CASES = {
 }
 
 
-def recorded_launches(case: str, gen, monkeypatch) -> list:
+def recorded_launches(case: str, gen) -> list:
     """(kernel function, args, kwargs) of every launch ``case`` makes, none of them run."""
-    launches = []
-
-    def record(kernel, *args, grid, warmup, **kwargs):
-        launches.append((kernel.fn, args, kwargs))
-
-    monkeypatch.setattr(InterpretedFunction, "run", record)
-    for module in GPU_CHOICE_MODULES:
-        monkeypatch.setattr(module, "interpreting", lambda: False)
-    CASES[case](gen)
-    monkeypatch.undo()
+    with recording_launches() as launches:
+        CASES[case](gen)
     return launches
 
 
-def test_the_cases_launch_every_kernel(gen, monkeypatch):
+def test_the_cases_launch_every_kernel(gen):
     kernels = {name.split(":")[1] for name in triton_kernels()}
     assert len(kernels) == len(triton_kernels()) > 20  # every kernel, each name once
-    launched = {fn.__name__ for case in CASES
-                for fn, _, _ in recorded_launches(case, gen, monkeypatch)}
+    launched = {fn.__name__ for case in CASES for fn, _, _ in recorded_launches(case, gen)}
     assert kernels == launched
 
 
@@ -305,34 +219,30 @@ def test_compiled_variants_list_each_kernels_cache_entries():
     assert compiled_variants() == []  # interpreted here: nothing compiled
 
 
-def compile_launches(launches: list, compiler: str = "local") -> list[dict]:
-    """Compile each distinct launch for sm_90 with ``compiler`` (:data:`COMPILERS`); for
-    every launch, its kernel's count of vector global loads and stores in the PTX
-    (``{"ld": n, "st": n}``)."""
-    keys = [json.dumps(describe_launch(*launch), sort_keys=True) for launch in launches]
-    unique = list(dict.fromkeys(keys))
-    done = subprocess.run([sys.executable, "-c", COMPILER], input=f"[{', '.join(unique)}]",
-                          capture_output=True, text=True, timeout=900, env=compiler_env(compiler))
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.startswith("compiled")]
-    assert len(lines) == len(unique)
-    vectors = dict(zip(unique, (json.loads(line.split(" ", 2)[2]) for line in lines)))
-    return [vectors[key] for key in keys]
-
-
 @pytest.mark.parametrize("compiler", sorted(COMPILERS))
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_every_launch_compiles_for_sm90(case, compiler, gen, monkeypatch):
-    launches = recorded_launches(case, gen, monkeypatch)
+def test_every_launch_compiles_for_sm90(case, compiler, gen):
+    launches = recorded_launches(case, gen)
     assert launches, f"{case} launched no kernel"
-    compile_launches(launches, compiler)
+    compile_sm90(launches, device_triton() if compiler == "device" else None)
 
 
 def test_the_device_compiler_is_the_device_images_triton():
-    done = subprocess.run([sys.executable, "-c", "import triton; print(triton.__version__, triton.__file__)"],
-                          capture_output=True, text=True, env=compiler_env("device"))
-    version, path = done.stdout.split()
-    assert version == "3.6.0" and path.startswith(str(DEVICE_TRITON)), done.stdout
+    assert (device_triton() / f"triton-{DEVICE_TRITON_VERSION}.dist-info").is_dir(), \
+        f"{device_triton()} lacks Triton {DEVICE_TRITON_VERSION}: run tools/setup_env.sh"
+
+
+def test_a_compile_report_counts_the_kernels_code(gen):
+    """What tools/compiled_kernels.py prints: the verify's registers, stack and SASS, and
+    the source lines with most instructions, all of them in triton_ops."""
+    launches = recorded_launches("gdn verify peeled_tile", gen)
+    (report,) = compile_sm90(launches[:1], lines=5)
+    assert report["kernel"] == "_verify_tile_kernel" and 0 < report["registers"] <= 255
+    assert report["instructions"] > 1000 and report["stack"] >= 0
+    assert report["local_loads"] <= report["instructions"]
+    assert len(report["lines"]) == 5
+    assert all(count > 0 for _, count in report["lines"])
+    assert any(where.startswith("triton_ops/gdn_tree/chunk_triton.py:") for where, _ in report["lines"])
 
 
 def test_a_commit_of_several_layers_loads_as_a_commit_of_one(gen, monkeypatch):
@@ -345,11 +255,30 @@ def test_a_commit_of_several_layers_loads_as_a_commit_of_one(gen, monkeypatch):
         verify_kernel("tile")(gen)  # the GDN commit of one layer, then two
         conv(gen)  # the conv commit of one layer, then two
     monkeypatch.setitem(CASES, "commits", commits)
-    launches = [launch for launch in recorded_launches("commits", gen, monkeypatch)
+    launches = [launch for launch in recorded_launches("commits", gen)
                 if "commit" in launch[0].__name__]
     by_kernel = {}
-    for launch, vector in zip(launches, compile_launches(launches)):
-        by_kernel.setdefault(launch[0].__name__, []).append(vector)
+    for launch, report in zip(launches, compile_sm90(launches)):
+        by_kernel.setdefault(launch[0].__name__, []).append((report["ld"], report["st"]))
     assert sorted(by_kernel) == ["_commit_kernel", "_tree_conv1d_commit_kernel"]
     for kernel, (one, several) in by_kernel.items():
-        assert one["ld"] + one["st"] > 0 and several == one, kernel
+        assert sum(one) > 0 and several == one, kernel
+
+
+def test_compiled_kernels_tool_tables_each_launch(tmp_path):
+    """tools/compiled_kernels.py end to end: one row per launch (the split makes two), with
+    the source lines asked for, saved with --out."""
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "compiled.md"
+    done = subprocess.run(
+        [sys.executable, str(root / "tools" / "compiled_kernels.py"), "--shapes", "17x1,65x8",
+         "--configs", "default,32x8", "--compiler", "local", "--lines", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 17 |") or line.startswith("| 65 |")]
+    assert [row.split(" | ")[3] for row in rows] == ["_verify_tile_kernel"] * 2 + [
+        "_verify_prepare_kernel", "_verify_output_kernel"] * 2
+    assert "| 32 x 8 |" in rows[1] and out.read_text().count("chunk_triton.py:") >= 3
+    bad = subprocess.run([sys.executable, str(root / "tools" / "compiled_kernels.py"), "--shapes", "65"],
+                         capture_output=True, text=True, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert bad.returncode == 2 and "--shapes must be comma-separated AxB pairs" in bad.stderr
