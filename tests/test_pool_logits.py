@@ -9,8 +9,9 @@ from triton_ops.pool_logits import naive_pool_logits_log_softmax, pool_logits_lo
 from triton_ops.testing import rel_err
 
 # (R, w, P, D, V): P and D off powers of two, w = 1, a pool wider than one
-# kernel tile, a query wider than one width tile, a single-entry pool.
+# kernel tile, a query wider than one width tile (MAX_BLOCK_D), a single-entry pool.
 SHAPES = [
+    (1, 2, 9, 2100, 30),
     (1, 1, 1, 8, 5),
     (1, 1, 16, 32, 300),
     (2, 3, 13, 24, 50),

@@ -22,6 +22,13 @@ from triton_ops.utils import check_same_device, output_buffer, use_triton
 # The torch path gathers [rows, P, D] table entries at once; bounding the chunk
 # keeps a 512-entry pool over a 2048-wide table from allocating gigabytes.
 _TORCH_GATHER_BYTES = 64 << 20
+# A program gathers its [BLOCK_P, BLOCK_D] rows in one load of at most TILE_ELEMENTS
+# elements, the whole query width up to MAX_BLOCK_D, so that all of them are in flight at
+# once. Stepping over D 128 columns at a time, the published Weaver's call (4 queries x 512
+# rows of 2048) took 13.7 us on the H200 (BENCHMARKS.md, "Draft rounds at the target's
+# pace"), ~0.6 TB/s: 16 dependent loads of 4 KB per program.
+MAX_BLOCK_D = 2048
+TILE_ELEMENTS = 8192
 
 
 def pool_logits_log_softmax(
@@ -213,8 +220,8 @@ def _triton_pool_log_softmax(y, table, ids, scores, pool_rows, out) -> None:
     out = out.view(n, pool)
     # Enough programs to keep the SMs busy when few queries read a 512-entry pool.
     spread = max(16, triton.next_power_of_2(max(1, n * pool // 512)))
-    block_p = min(64, triton.next_power_of_2(pool), spread)
-    block_d = min(128, triton.next_power_of_2(width))
+    block_d = min(MAX_BLOCK_D, triton.next_power_of_2(width))
+    block_p = min(64, triton.next_power_of_2(pool), spread, max(1, TILE_ELEMENTS // block_d))
     picks = pool_rows is not None
     _pool_logits_kernel[(n, triton.cdiv(pool, block_p))](
         y,
