@@ -29,3 +29,21 @@ def test_smoke_run_checks_every_family_and_saves_its_tables(tmp_path):
     assert "Triton variants compiled (ours):" in text
     # The dense part of a tree forward: F.linear checked at every token count, then tabled.
     assert "F.linear bf16, M=520" in text and "linear layers by token count M" in text
+
+
+def test_smoke_tile_sweep_times_each_key_chunk(tmp_path):
+    """The peeled tile kernel's sweep (the GPU's next question at 65 x 1): every BV x warps
+    and the K-chunk rows, each checked against the default path."""
+    out = tmp_path / "sweep.md"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--smoke", "--only", "gdn",
+         "--gdn-sections", "sweep", "--sweep", "--sweep-kernel", "peeled_tile", "--skip-baselines",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in out.read_text().splitlines() if line.split()[:2] == ["17", "1"]]
+    # Smoke shapes have K = 32: every chunk asked for runs as one chunk of 32.
+    assert [(row[2], row[3], row[6]) for row in rows] == [("32", w, "32") for w in ("4", "8", "4", "8")]
+    assert out.read_text().rstrip().endswith("all checks ok")

@@ -204,6 +204,22 @@ def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_
         assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL, counts[b]
 
 
+@pytest.mark.parametrize("kernel", ["peeled_tile", "peeled_split"])
+@pytest.mark.parametrize("k_chunk", [32, 128])
+def test_key_chunks_of_any_width_verify_alike(kernel, k_chunk, poisoned_outputs, gen):
+    """The engine's tree (65 nodes) at the model's head dims, its passes over K in chunks
+    of 32 (four a pass) or 128 (one) instead of K_CHUNK; a bad chunk is refused."""
+    meta = random_tree_metadata(gen, ["bushy"], 65)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 1, 65, 1, 2, 128, 128)
+    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    out = chunk_triton.verify_triton(q, k, v, g, beta, pool, slots, meta, 128 ** -0.5, True,
+                                     "tf32x3", kernel=kernel, k_chunk=k_chunk)
+    check_verify(out, ref_o, meta, FP32_TOL)
+    with pytest.raises(ValueError, match="k_chunk must be a power of two >= 16, got 48"):
+        chunk_triton.verify_triton(q, k, v, g, beta, pool, slots, meta, 128 ** -0.5, True,
+                                   "tf32x3", kernel=kernel, k_chunk=48)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_triton_kernels_on_random_shapes(seed, poisoned_outputs, monkeypatch):
     """Random sizes, grouping, dtypes, tree shapes and node counts, every verify

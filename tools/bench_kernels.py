@@ -51,7 +51,7 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS, commit_layer_table
-from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
+from triton_ops.gdn_tree.chunk_triton import K_CHUNK, VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
 from triton_ops.testing import compiled_variants, random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
@@ -61,6 +61,7 @@ from triton_ops.tree_attention import (
 )
 from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from triton_ops.utils import dot_block
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
 from vllm_tfm.benchmarks.launches import launches
 from vllm_tfm.drafting.builders import build_sampled_tree
@@ -541,14 +542,17 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
                  "(us per layer, CUDA graph)", ["B", "node counts", "real nodes", "verify"], rows)
 
 
-# Launch configurations the sweep times per verify kernel:
-# (output / tile BV, its warps, prepare / stage warps, precision).
+# Launch configurations the sweep times per verify kernel: (output / tile BV, its warps,
+# prepare / stage warps, precision, K chunk; None: chunk_triton.K_CHUNK).
 SWEEP_CONFIGS = {
-    "default": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)]
-    + [(32, 4, 8, "tf32x3"), (64, 8, 8, "tf32x3"), (32, 4, 4, "tf32"), (32, 4, 4, "ieee")],
-    # No prepare kernel: BV and warps only. sm_90 spill stack, 4 warps: N = 64 BV 32 / 64 / 128
-    # 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from 128 heads).
-    "tile": [(bv, w, 4, "tf32x3") for bv in (32, 64, 128) for w in (4, 8)],
+    "default": [(bv, w, 4, "tf32x3", None) for bv in (32, 64, 128) for w in (4, 8)]
+    + [(32, 4, 8, "tf32x3", None), (64, 8, 8, "tf32x3", None), (32, 4, 4, "tf32", None),
+       (32, 4, 4, "ieee", None)],
+    # No prepare kernel: BV, warps and the K chunk. sm_90 spill stack, 4 warps: N = 64 BV 32 /
+    # 64 / 128 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from
+    # 128 heads). K chunk 128 at 65 x 1: fewer wgmma waits, more spill (chunk_triton.K_CHUNK).
+    "tile": [(bv, w, 4, "tf32x3", None) for bv in (32, 64, 128) for w in (4, 8)]
+    + [(32, w, 4, "tf32x3", 128) for w in (4, 8)],
 }
 SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
 
@@ -578,17 +582,19 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         expected = gdn_tree_verify(*sets[0], meta).o.float()
-        for bv, warps, prepare_warps, prec in configs:
+        for bv, warps, prepare_warps, prec, k_chunk in configs:
             if time.monotonic() > deadline:
                 break
 
-            def call(s, bv=bv, warps=warps, prepare_warps=prepare_warps, prec=prec):
+            def call(s, bv=bv, warps=warps, prepare_warps=prepare_warps, prec=prec, k_chunk=k_chunk):
                 q, k, v, g, beta, pool, slots = s
                 return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
-                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps, kernel=kernel)
+                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps, kernel=kernel,
+                                     k_chunk=k_chunk)
 
-            label = f"verify BV={bv} warps={warps}/{prepare_warps} {prec} (N={N}, B={B})"
-            head = [str(N), str(B), str(bv), str(warps), str(prepare_warps), prec]
+            chunk = str(min(dot_block(K), k_chunk or K_CHUNK))  # the chunk the kernel runs
+            label = f"verify BV={bv} warps={warps}/{prepare_warps} {prec} K chunk {chunk} (N={N}, B={B})"
+            head = [str(N), str(B), str(bv), str(warps), str(prepare_warps), prec, chunk]
             error = float((call(sets[0]).o.float() - expected).abs().max() / expected.abs().max())
             if not error < CONFIG_SWEEP_TOLERANCE:
                 args.failed.append(label)
@@ -600,8 +606,8 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     return table(f"GDN tree verify launch configurations, kernel {args.sweep_kernel} (us per layer, CUDA "
                  "graph; after GEMM: each layer's verify right after its input projection; error: max "
                  "difference from gdn_tree_verify's default path over max |o|)",
-                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "error", "graph",
-                  "after GEMM"], rows)
+                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "K chunk", "error",
+                  "graph", "after GEMM"], rows)
 
 
 # The commit's state tiles and warps the sweep times: (BK, BV, warps); the first is the

@@ -83,6 +83,9 @@ from triton_ops.utils import bit_is_set, dot_block, interpreting, layer_tensor
 ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
 MAX_SUPER_BLOCK = 64
+# Key columns of the q / k / state tiles a pass over K loads at a time. At the engine's 65x1
+# verify (K = 128, sm_90, the device's Triton 3.6) 128 makes 16 wgmma waits instead of 26 but
+# spills 464 B instead of 296 (tools/compiled_kernels.py): for the GPU sweep to settle.
 K_CHUNK = 64
 # Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
 CROSS_COLS = 32
@@ -914,15 +917,19 @@ def verify_triton(
     prepare_warps: int | None = None,
     kernel: str | None = None,
     o: torch.Tensor | None = None,
+    k_chunk: int | None = None,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
     ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
-    output kernel) and ``prepare_warps`` are tuning knobs for benchmarks. ``o``: a
-    contiguous [B, N, HV, V] tensor the outputs go to (checked by ``gdn_tree_verify``),
-    else a new one."""
+    output kernel), ``prepare_warps`` and ``k_chunk`` (a power of two from 16, default
+    K_CHUNK) are tuning knobs for benchmarks. ``o``: a contiguous [B, N, HV, V] tensor the
+    outputs go to (checked by ``gdn_tree_verify``), else a new one."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
+    if k_chunk is not None and (k_chunk < 16 or k_chunk & (k_chunk - 1)):
+        raise ValueError(f"k_chunk must be a power of two >= 16, got {k_chunk}")
+    BKC = min(BK, k_chunk or K_CHUNK)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev) if o is None else o
@@ -949,7 +956,7 @@ def verify_triton(
             *q.stride(), *k.stride(), *v.stride(), *g.stride(), *beta.stride(), *ssm_state.stride(),
             scale, N, HV, K, V, words.shape[-1],
             GROUP=HV // H, SB=first_rows, SB2=second_rows, PEEL=peel, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
-            BKC=min(BK, K_CHUNK), BV=BV,
+            BKC=BKC, BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
             num_warps=num_warps or warps,
         )
@@ -959,7 +966,7 @@ def verify_triton(
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     scores = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
     SB = min(NP, MAX_SUPER_BLOCK)
-    common = dict(GROUP=HV // H, NP=NP, SB=SB, PEEL=peel, BK=BK, BKC=min(BK, K_CHUNK), USE_L2=use_qk_l2norm,
+    common = dict(GROUP=HV // H, NP=NP, SB=SB, PEEL=peel, BK=BK, BKC=BKC, USE_L2=use_qk_l2norm,
                   PREC=precision, LOWP_QK=lowp)
     _verify_prepare_kernel[(NP // SB, B * HV)](
         q, k, g, beta, words, meta.num_nodes,
