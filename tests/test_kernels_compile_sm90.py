@@ -240,6 +240,7 @@ def test_a_compile_report_counts_the_kernels_code(gen):
     assert report["kernel"] == "_verify_tile_kernel" and 0 < report["registers"] <= 255
     assert report["instructions"] > 1000 and report["stack"] >= 0
     assert report["local_loads"] <= report["instructions"]
+    assert report["mma_waits"] > 0 and report["barriers"] > 0  # its dots run as wgmma on sm_90
     assert len(report["lines"]) == 5
     assert all(count > 0 for _, count in report["lines"])
     assert any(where.startswith("triton_ops/gdn_tree/chunk_triton.py:") for where, _ in report["lines"])

@@ -13,7 +13,9 @@ the engine calls it on CUDA, its launches recorded (not run) and compiled
 tools/setup_env.sh installs beside the venv; ``local`` with this machine's.
 
 Not timings: the instruction count is the length of the stream each warp issues (the 65-node
-verify is latency-bound at B = 1), the stack and local loads are its spills.
+verify is latency-bound at B = 1), the stack and local loads are its spills, and each wgmma
+wait is a dot every warp stops for (its operands staged through shared memory behind a
+barrier first).
 """
 
 from __future__ import annotations
@@ -90,15 +92,16 @@ def main(argv=None) -> int:
                 shape = f"{options.get('BV', '-')} x {options.get('num_warps', '-')}"
                 rows.append(f"| {N} | {B} | {kernel} | {report['kernel']} | {shape} | {report['registers']} "
                             f"| {report['stack']} | {report['instructions']:,} | {report['local_loads']} "
-                            f"| {report['local_stores']} |")
+                            f"| {report['local_stores']} | {report['barriers']} | {report['mma_waits']} |")
                 if report["lines"]:
                     details += [f"\n{report['kernel']} at {N} x {B}, BV x warps {shape}:"]
                     details += [f"  {count:6d}  {where:44s} {source_line(where)}"
                                 for where, count in report["lines"]]
     lines = [f"GDN tree verify compiled for sm_90 by the {args.compiler} Triton "
              f"(H = {H}, HV = {HV}, K = V = {K}, bf16 inputs, fp32 state)", "",
-             "| N | B | kernel | launch | BV x warps | registers | stack B | instructions | LDL | STL |",
-             "|--:|--:|---|---|---|--:|--:|--:|--:|--:|", *rows, *details]
+             "| N | B | kernel | launch | BV x warps | registers | stack B | instructions | LDL | STL "
+             "| barriers | wgmma waits |",
+             "|--:|--:|---|---|---|--:|--:|--:|--:|--:|--:|--:|", *rows, *details]
     print("\n".join(lines))
     if args.out is not None:
         with args.out.open("a") as f:

@@ -143,7 +143,8 @@ LAUNCH_OPTIONS = ("num_warps", "num_stages")
 # Compiles the launches (JSON on stdin) for sm_90 in a process without the interpreter, where
 # every @triton.jit function, Triton's own (tl.sum's combine) included, is a compilable
 # JITFunction; prints one JSON line per launch: the PTX's vector global loads and stores,
-# cuobjdump's registers and stack, and the SASS's instructions, local loads and stores, and
+# cuobjdump's registers and stack, and the SASS's instructions, local loads and stores,
+# block barriers and waits for wgmma results (each a dot the warps stop for), and
 # (LINES > 0) the LINES source lines of triton_ops ("triton_ops/...py:LINE") with the most
 # instructions.
 COMPILER = r"""
@@ -201,6 +202,8 @@ for launch in json.load(sys.stdin):
         "instructions": len(sass),
         "local_loads": sum(" LDL" in l for l in sass),
         "local_stores": sum(" STL" in l for l in sass),
+        "barriers": sum("BAR.SYNC" in l for l in sass),
+        "mma_waits": sum("WARPGROUP.DEPBAR" in l for l in sass),
         "lines": top,
     }), flush=True)
 """
