@@ -32,8 +32,8 @@ def test_smoke_run_checks_every_family_and_saves_its_tables(tmp_path):
 
 
 def test_smoke_tile_sweep_times_each_key_chunk(tmp_path):
-    """The peeled tile kernel's sweep (the GPU's next question at 65 x 1): every BV x warps
-    and the K-chunk rows, each checked against the default path."""
+    """The peeled tile kernel's sweep (the GPU's next question at 65 x 1): BV x warps, the
+    K-chunk rows and the state parts in three dots, each checked against the default path."""
     out = tmp_path / "sweep.md"
     done = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--smoke", "--only", "gdn",
@@ -45,5 +45,6 @@ def test_smoke_tile_sweep_times_each_key_chunk(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [line.split() for line in out.read_text().splitlines() if line.split()[:2] == ["17", "1"]]
     # Smoke shapes have K = 32: every chunk asked for runs as one chunk of 32.
-    assert [(row[2], row[3], row[6]) for row in rows] == [("32", w, "32") for w in ("4", "8", "4", "8")]
+    assert [tuple(row[2:4] + row[6:8]) for row in rows] == [
+        ("32", w, "32", parts) for parts in ("one", "one", "three") for w in ("4", "8")]
     assert out.read_text().rstrip().endswith("all checks ok")

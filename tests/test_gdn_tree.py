@@ -205,16 +205,22 @@ def test_triton_mixed_counts_skip_padding_row_blocks(dtype, kernel, N, poisoned_
 
 
 @pytest.mark.parametrize("kernel", ["peeled_tile", "peeled_split"])
-@pytest.mark.parametrize("k_chunk", [32, 128])
-def test_key_chunks_of_any_width_verify_alike(kernel, k_chunk, poisoned_outputs, gen):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k_chunk, fuse_parts", [(32, True), (128, True), (None, False)])
+def test_launch_knobs_verify_alike(kernel, dtype, k_chunk, fuse_parts, poisoned_outputs, gen):
     """The engine's tree (65 nodes) at the model's head dims, its passes over K in chunks
-    of 32 (four a pass) or 128 (one) instead of K_CHUNK; a bad chunk is refused."""
+    of 32 (four a pass) or 128 (one) instead of K_CHUNK, bf16 state parts in one dot or in
+    three (the tile kernel's 64-row block); a bad chunk is refused."""
     meta = random_tree_metadata(gen, ["bushy"], 65)
-    q, k, v, g, beta, pool, slots = make_inputs(gen, 1, 65, 1, 2, 128, 128)
-    ref_o, _ = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, 1, 65, 1, 2, 128, 128, dtype=dtype)
+    ref_o, ref_states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     out = chunk_triton.verify_triton(q, k, v, g, beta, pool, slots, meta, 128 ** -0.5, True,
-                                     "tf32x3", kernel=kernel, k_chunk=k_chunk)
-    check_verify(out, ref_o, meta, FP32_TOL)
+                                     "tf32x3", kernel=kernel, k_chunk=k_chunk, fuse_parts=fuse_parts)
+    check_verify(out, ref_o, meta, FP32_TOL if dtype == torch.float32 else 1e-2)
+    # The committed state keeps fp32 accuracy whatever the inputs' dtype (the parts are exact).
+    new_pool = pool.clone()
+    gdn_tree_commit(new_pool, slots, meta, out, torch.tensor([64]), backend="triton")
+    assert rel_err(new_pool[slots.long()], ref_states[:, 64]) < FP32_TOL
     with pytest.raises(ValueError, match="k_chunk must be a power of two >= 16, got 48"):
         chunk_triton.verify_triton(q, k, v, g, beta, pool, slots, meta, 128 ** -0.5, True,
                                    "tf32x3", kernel=kernel, k_chunk=48)

@@ -38,6 +38,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import dataclasses
 
@@ -51,7 +52,14 @@ from triton_ops.gdn_tree import (
     naive_recurrent_gdn_tree,
 )
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS, commit_layer_table
-from triton_ops.gdn_tree.chunk_triton import K_CHUNK, VERIFY_KERNELS, commit_triton, kernel_takes, verify_triton
+from triton_ops.gdn_tree.chunk_triton import (
+    FUSE_STATE_PARTS,
+    K_CHUNK,
+    VERIFY_KERNELS,
+    commit_triton,
+    kernel_takes,
+    verify_triton,
+)
 from triton_ops.testing import compiled_variants, random_tree_metadata, rel_err, same_bits
 from triton_ops.tree_attention import (
     naive_tree_attention,
@@ -542,17 +550,29 @@ def gdn_padding_table(device, args, deadline: float) -> list[str]:
                  "(us per layer, CUDA graph)", ["B", "node counts", "real nodes", "verify"], rows)
 
 
-# Launch configurations the sweep times per verify kernel: (output / tile BV, its warps,
-# prepare / stage warps, precision, K chunk; None: chunk_triton.K_CHUNK).
+class SweepConfig(NamedTuple):
+    """A verify launch configuration the sweep times (``verify_triton``'s knobs)."""
+
+    block_v: int  # output / tile kernel's V columns
+    num_warps: int  # and its warps
+    prepare_warps: int = 4
+    precision: str = "tf32x3"
+    k_chunk: int | None = None  # None: chunk_triton.K_CHUNK
+    fuse_parts: bool = FUSE_STATE_PARTS
+
+
+# Launch configurations the sweep times per verify kernel.
 SWEEP_CONFIGS = {
-    "default": [(bv, w, 4, "tf32x3", None) for bv in (32, 64, 128) for w in (4, 8)]
-    + [(32, 4, 8, "tf32x3", None), (64, 8, 8, "tf32x3", None), (32, 4, 4, "tf32", None),
-       (32, 4, 4, "ieee", None)],
-    # No prepare kernel: BV, warps and the K chunk. sm_90 spill stack, 4 warps: N = 64 BV 32 /
-    # 64 / 128 256 / 680 / 1640 B; N = 128 BV 32 / 64 784 / 1456 B (the default: BV 64 from
-    # 128 heads). K chunk 128 at 65 x 1: fewer wgmma waits, more spill (chunk_triton.K_CHUNK).
-    "tile": [(bv, w, 4, "tf32x3", None) for bv in (32, 64, 128) for w in (4, 8)]
-    + [(32, w, 4, "tf32x3", 128) for w in (4, 8)],
+    "default": [SweepConfig(bv, w) for bv in (32, 64, 128) for w in (4, 8)]
+    + [SweepConfig(32, 4, 8), SweepConfig(64, 8, 8), SweepConfig(32, 4, precision="tf32"),
+       SweepConfig(32, 4, precision="ieee")],
+    # No prepare kernel: BV, warps, the K chunk and the state parts in one dot or three. sm_90
+    # spill stack, 4 warps: N = 64 BV 32 / 64 / 128 256 / 680 / 1640 B; N = 128 BV 32 / 64
+    # 784 / 1456 B (the default: BV 64 from 128 heads). K chunk 128 and the fused parts at
+    # 65 x 1: fewer wgmma waits (chunk_triton.K_CHUNK, FUSE_STATE_PARTS).
+    "tile": [SweepConfig(bv, w) for bv in (32, 64, 128) for w in (4, 8)]
+    + [SweepConfig(32, w, k_chunk=128) for w in (4, 8)]
+    + [SweepConfig(32, w, fuse_parts=not FUSE_STATE_PARTS) for w in (4, 8)],
 }
 SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
 
@@ -575,26 +595,30 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     rows = []
     gen = torch.Generator().manual_seed(4)
     kernel = None if args.sweep_kernel == "default" else args.sweep_kernel
-    configs = [c for c in SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"]) if c[0] <= V]
+    configs = [c for c in SWEEP_CONFIGS.get(args.sweep_kernel, SWEEP_CONFIGS["default"]) if c.block_v <= V]
     for N, B in shapes:
         if kernel is not None and not kernel_takes(kernel, N):
             continue
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         expected = gdn_tree_verify(*sets[0], meta).o.float()
-        for bv, warps, prepare_warps, prec, k_chunk in configs:
+        for config in configs:
             if time.monotonic() > deadline:
                 break
 
-            def call(s, bv=bv, warps=warps, prepare_warps=prepare_warps, prec=prec, k_chunk=k_chunk):
+            def call(s, config=config):
                 q, k, v, g, beta, pool, slots = s
-                return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, prec,
-                                     block_v=bv, num_warps=warps, prepare_warps=prepare_warps, kernel=kernel,
-                                     k_chunk=k_chunk)
+                return verify_triton(q, k, v, g, beta, pool, slots, meta, K**-0.5, True, config.precision,
+                                     block_v=config.block_v, num_warps=config.num_warps,
+                                     prepare_warps=config.prepare_warps, kernel=kernel, k_chunk=config.k_chunk,
+                                     fuse_parts=config.fuse_parts)
 
-            chunk = str(min(dot_block(K), k_chunk or K_CHUNK))  # the chunk the kernel runs
-            label = f"verify BV={bv} warps={warps}/{prepare_warps} {prec} K chunk {chunk} (N={N}, B={B})"
-            head = [str(N), str(B), str(bv), str(warps), str(prepare_warps), prec, chunk]
+            chunk = str(min(dot_block(K), config.k_chunk or K_CHUNK))  # the chunk the kernel runs
+            parts = "one dot" if config.fuse_parts else "three"
+            label = (f"verify BV={config.block_v} warps={config.num_warps}/{config.prepare_warps} "
+                     f"{config.precision} K chunk {chunk} parts {parts} (N={N}, B={B})")
+            head = [str(N), str(B), str(config.block_v), str(config.num_warps), str(config.prepare_warps),
+                    config.precision, chunk, parts]
             error = float((call(sets[0]).o.float() - expected).abs().max() / expected.abs().max())
             if not error < CONFIG_SWEEP_TOLERANCE:
                 args.failed.append(label)
@@ -606,8 +630,8 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     return table(f"GDN tree verify launch configurations, kernel {args.sweep_kernel} (us per layer, CUDA "
                  "graph; after GEMM: each layer's verify right after its input projection; error: max "
                  "difference from gdn_tree_verify's default path over max |o|)",
-                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "K chunk", "error",
-                  "graph", "after GEMM"], rows)
+                 ["N", "B", "output BV", "output warps", "prepare warps", "precision", "K chunk",
+                  "state parts (tile, 64 rows)", "error", "graph", "after GEMM"], rows)
 
 
 # The commit's state tiles and warps the sweep times: (BK, BV, warps); the first is the

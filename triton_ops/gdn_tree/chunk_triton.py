@@ -87,6 +87,12 @@ MAX_SUPER_BLOCK = 64
 # verify (K = 128, sm_90, the device's Triton 3.6) 128 makes 16 wgmma waits instead of 26 but
 # spills 464 B instead of 296 (tools/compiled_kernels.py): for the GPU sweep to settle.
 K_CHUNK = 64
+# The tile kernel's 64-row blocks multiply K and Q by the state's three bf16 parts in one dot
+# (dot_parts' FUSE): at the engine's 65x1 verify (sm_90, device Triton 3.6) 18 wgmma waits
+# instead of 26, the same stack, 6% more instructions. Smaller blocks run mma.sync, where
+# the fused dot only adds registers (33 x 1: 568 B of stack against 112), and the split's
+# output kernel spills more with it (65 x 8: 608 against 408 B): they keep three dots.
+FUSE_STATE_PARTS = True
 # Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
 CROSS_COLS = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
@@ -256,13 +262,29 @@ def bf16_parts(s0, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def dot_parts(x, hi, mid, lo, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr):
+def dot_parts(x, hi, mid, lo, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, NATIVE: tl.constexpr,
+              FUSE: tl.constexpr):
     """``acc + x @ s0`` with ``s0`` given by :func:`bf16_parts`: SPLIT (bf16 ``x``)
-    runs three native dots, each product exact in the fp32 accumulator, smallest
-    part first; else one dot at PREC. NATIVE is False in the interpreter, whose
-    bf16 ``tl.dot`` is broken: there the same parts multiply as fp32."""
+    multiplies the three parts natively, each product exact in the fp32 accumulator; else
+    one dot at PREC. SPLIT runs three dots, smallest part first, or with FUSE one dot of
+    four times the depth: ``x`` repeated four times along K against the parts and a zero
+    part interleaved (one wait for the result instead of three where a dot is a wgmma, but
+    more registers: see verify_triton's ``fuse_parts``). NATIVE is False in the interpreter,
+    whose bf16 ``tl.dot`` is broken: there the same operands multiply as fp32."""
     if SPLIT:
-        if NATIVE:
+        if FUSE:
+            R: tl.constexpr = x.shape[0]
+            C: tl.constexpr = x.shape[1]
+            twice = tl.reshape(tl.join(x, x), [R, 2 * C])
+            x = tl.reshape(tl.join(twice, twice), [R, 4 * C])  # column 4i + j holds x_i
+            # [C, V, 2, 2] -> [C, 2, 2, V] -> row 4i + j holds part j of row i: hi, mid, lo, 0.
+            parts = tl.join(tl.join(hi, mid), tl.join(lo, tl.zeros_like(lo)))
+            parts = tl.reshape(tl.permute(parts, [0, 3, 2, 1]), [4 * C, hi.shape[1]])
+            if NATIVE:
+                acc = tl.dot(x, parts, acc)
+            else:
+                acc = tl.dot(x.to(tl.float32), parts.to(tl.float32), acc, input_precision="ieee")
+        elif NATIVE:
             acc = tl.dot(x, lo, acc)
             acc = tl.dot(x, mid, acc)
             acc = tl.dot(x, hi, acc)
@@ -465,6 +487,7 @@ def tile_row_block(
     r: tl.constexpr, R: tl.constexpr, SB: tl.constexpr, PEEL: tl.constexpr, CB: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
     PREC: tl.constexpr, LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+    FUSE_PARTS: tl.constexpr,
 ):
     """Row block ``r`` of the tile kernel: its R rows from ``PEEL + r * SB`` (pointers
     already at the request and head); zeros when the request ends before it. PEEL: node
@@ -496,10 +519,10 @@ def tile_row_block(
             s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
             s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
             b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
+            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE, FUSE_PARTS and R == 64)
             k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
             b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
+            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE, FUSE_PARTS and R == 64)
             q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
         rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([R], 1.0, dtype=tl.float32)
         rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([R], scale, dtype=tl.float32)
@@ -589,6 +612,7 @@ def _verify_tile_kernel(
     GROUP: tl.constexpr, SB: tl.constexpr, SB2: tl.constexpr, PEEL: tl.constexpr, CB: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr, USE_L2: tl.constexpr,
     PREC: tl.constexpr, LOWP_QK: tl.constexpr, SPLIT_S0: tl.constexpr, NATIVE: tl.constexpr,
+    FUSE_PARTS: tl.constexpr,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1)
@@ -627,14 +651,14 @@ def _verify_tile_kernel(
         q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
         stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
         stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W, d0, rk0, g0,
-        0, SB, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+        0, SB, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE, FUSE_PARTS,
     )
     if SB2 > 0:
         tile_row_block(
             q, k, v, g, beta, state, words, o, delta, gate_sum, k_normed,
             stride_qn, stride_qk, stride_kn, stride_kk, stride_vn, stride_vv, stride_gn, stride_bn,
             stride_sk, stride_sv, scale, b, n_b, cv, write_k, N, H, HV, K, V, W, d0, rk0, g0,
-            1, SB2, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE,
+            1, SB2, SB, PEEL, CB, BT, BK, BKC, BV, USE_L2, PREC, LOWP_QK, SPLIT_S0, NATIVE, FUSE_PARTS,
         )
 
 
@@ -798,8 +822,8 @@ def _verify_output_kernel(
             b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
             b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
             s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
-            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE)
-            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE)
+            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE, False)
+            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE, False)
             k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
             q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
         rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([SB], 1.0, dtype=tl.float32)
@@ -918,12 +942,14 @@ def verify_triton(
     kernel: str | None = None,
     o: torch.Tensor | None = None,
     k_chunk: int | None = None,
+    fuse_parts: bool = FUSE_STATE_PARTS,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
     ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
-    output kernel), ``prepare_warps`` and ``k_chunk`` (a power of two from 16, default
-    K_CHUNK) are tuning knobs for benchmarks. ``o``: a contiguous [B, N, HV, V] tensor the
-    outputs go to (checked by ``gdn_tree_verify``), else a new one."""
+    output kernel), ``prepare_warps``, ``k_chunk`` (a power of two from 16, default
+    K_CHUNK) and ``fuse_parts`` (:data:`FUSE_STATE_PARTS`) are tuning knobs for benchmarks.
+    ``o``: a contiguous [B, N, HV, V] tensor the outputs go to (checked by
+    ``gdn_tree_verify``), else a new one."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
@@ -958,7 +984,7 @@ def verify_triton(
             GROUP=HV // H, SB=first_rows, SB2=second_rows, PEEL=peel, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
             BKC=BKC, BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
-            num_warps=num_warps or warps,
+            FUSE_PARTS=fuse_parts, num_warps=num_warps or warps,
         )
         return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     # Workspace: only the blocks a request's own rows need are written and read.
