@@ -138,7 +138,7 @@ def test_pop_frontier_matches_the_sorting_reference(R, C, count, max_depth, gen)
         assert (f1.score[r, order] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3),
+@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3), (1, 2, 20, 3, 2),
                                               (3, 4, 130, 8, 5)])
 def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
     rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()

@@ -75,7 +75,7 @@ def pop_frontier(frontier: Frontier, tree: GrowingTree, count: int, max_depth: i
     out = _empty_batch(R, count, frontier.score.device)
     _pop_kernel[(R,)](
         *frontier, *tree, *out, C, tree.tokens.shape[1], max_depth,
-        COUNT=count, BLOCK=triton.next_power_of_2(C),
+        COUNT=count, BLOCK=triton.next_power_of_2(C), PICKS=triton.next_power_of_2(count),
     )
     return out
 
@@ -102,6 +102,7 @@ def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: Exp
         *frontier, rows.contiguous(), *(t.contiguous() for t in batch), pool_ids.contiguous(),
         start, w, P, pool_ids.shape[1],
         frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
+        PICKS=triton.next_power_of_2(children),
     )
 
 
@@ -163,46 +164,62 @@ def _next_best(values, free, offs, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _top_columns(values, valid, COUNT: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr):
+    """The COUNT best of ``values`` (where ``valid``; NaN never wins a place), best first,
+    ties to the lowest column: (scores, columns) as [PICKS] vectors, PICKS >= COUNT, and
+    the mask of the columns taken. Registers only: the caller then gathers and stores every
+    pick at once, not one dependent load and store after another."""
+    offs = tl.arange(0, BLOCK)
+    picks = tl.arange(0, PICKS)
+    values = tl.where(values == values, values, -float("inf"))
+    free = valid
+    bests = tl.full((PICKS,), -float("inf"), tl.float32)
+    columns = tl.zeros((PICKS,), dtype=tl.int64)
+    for i in tl.static_range(COUNT):
+        best, column = _next_best(values, free, offs, BLOCK)
+        free = free & (offs != column)
+        bests = tl.where(picks == i, best, bests)
+        columns = tl.where(picks == i, column, columns)
+    return bests, columns, valid & ~free
+
+
+@triton.jit
 def _pop_kernel(
     f_score, f_token, f_parent, f_depth, f_logq,
     t_tokens, t_parents, t_depths, t_logq, t_num,
     o_node, o_token, o_parent, o_depth, o_score,
     C, WIDTH, MAX_DEPTH,
-    COUNT: tl.constexpr, BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     inside = offs < C
     values = tl.load(f_score + r * C + offs, mask=inside, other=-float("inf"))
-    values = tl.where(values == values, values, -float("inf"))  # NaN never wins a place
-    free = inside
     first = tl.load(t_num + r)
-    popped_count = first * 0
-    for i in tl.static_range(COUNT):
-        best, column = _next_best(values, free, offs, BLOCK)
-        free = free & (offs != column)
-        popped = best > -float("inf")
-        at = r * C + column
-        token = tl.load(f_token + at)
-        parent = tl.load(f_parent + at)
-        depth = tl.load(f_depth + at)
-        node = first + i
-        slot = r * WIDTH + node
-        tl.store(t_tokens + slot, token, mask=popped)
-        tl.store(t_parents + slot, parent, mask=popped)
-        tl.store(t_depths + slot, depth, mask=popped)
-        tl.store(t_logq + slot, tl.load(f_logq + at), mask=popped)
-        expandable = popped & (depth < MAX_DEPTH)
-        out = r * COUNT + i
-        tl.store(o_node + out, tl.where(expandable, node, -1))
-        tl.store(o_token + out, token)
-        tl.store(o_parent + out, tl.where(expandable, parent, -1))
-        tl.store(o_depth + out, depth)
-        tl.store(o_score + out, best)
-        popped_count += popped.to(tl.int64)
-    tl.store(f_score + r * C + offs, tl.full((BLOCK,), -float("inf"), tl.float32),
-             mask=inside & ~free)
-    tl.store(t_num + r, first + popped_count)
+    best, column, taken = _top_columns(values, inside, COUNT, BLOCK, PICKS)
+    picks = tl.arange(0, PICKS)
+    real = picks < COUNT
+    at = r * C + column
+    token = tl.load(f_token + at, mask=real, other=0)
+    parent = tl.load(f_parent + at, mask=real, other=0)
+    depth = tl.load(f_depth + at, mask=real, other=0)
+    logq = tl.load(f_logq + at, mask=real, other=0.0)
+    popped = real & (best > -float("inf"))
+    node = first + picks
+    slot = r * WIDTH + node
+    tl.store(t_tokens + slot, token, mask=popped)
+    tl.store(t_parents + slot, parent, mask=popped)
+    tl.store(t_depths + slot, depth, mask=popped)
+    tl.store(t_logq + slot, logq, mask=popped)
+    expandable = popped & (depth < MAX_DEPTH)
+    out = r * COUNT + picks
+    tl.store(o_node + out, tl.where(expandable, node, -1), mask=real)
+    tl.store(o_token + out, token, mask=real)
+    tl.store(o_parent + out, tl.where(expandable, parent, -1), mask=real)
+    tl.store(o_depth + out, depth, mask=real)
+    tl.store(o_score + out, best, mask=real)
+    tl.store(f_score + r * C + offs, tl.full((BLOCK,), -float("inf"), tl.float32), mask=taken)
+    tl.store(t_num + r, first + tl.sum(popped.to(tl.int64), axis=0))
 
 
 @triton.jit
@@ -210,7 +227,7 @@ def _push_kernel(
     f_score, f_token, f_parent, f_depth, f_logq,
     rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids,
     START, W, P, D, C,
-    CHILDREN: tl.constexpr, BLOCK: tl.constexpr,
+    CHILDREN: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = row // W
@@ -218,18 +235,16 @@ def _push_kernel(
     offs = tl.arange(0, BLOCK)
     inside = offs < P
     values = tl.load(rows_ptr + row * P + offs, mask=inside, other=-float("inf"))
-    values = tl.where(values == values, values, -float("inf"))
     node = tl.load(b_node + row)
     depth = tl.load(b_depth + row)
     score = tl.load(b_score + row)
     pool = pool_ids + (r * D + tl.minimum(depth, D - 1)) * P
-    free = inside
-    for i in tl.static_range(CHILDREN):
-        best, column = _next_best(values, free, offs, BLOCK)
-        free = free & (offs != column)
-        at = r * C + START + j * CHILDREN + i
-        tl.store(f_score + at, tl.where(node >= 0, score + best, -float("inf")))
-        tl.store(f_token + at, tl.load(pool + column))
-        tl.store(f_parent + at, node)
-        tl.store(f_depth + at, depth + 1)
-        tl.store(f_logq + at, best)
+    best, column, _ = _top_columns(values, inside, CHILDREN, BLOCK, PICKS)
+    picks = tl.arange(0, PICKS)
+    real = picks < CHILDREN
+    at = r * C + START + j * CHILDREN + picks
+    tl.store(f_score + at, tl.where(node >= 0, score + best, -float("inf")), mask=real)
+    tl.store(f_token + at, tl.load(pool + column, mask=real, other=0), mask=real)
+    tl.store(f_parent + at, tl.zeros((PICKS,), dtype=tl.int64) + node, mask=real)
+    tl.store(f_depth + at, tl.zeros((PICKS,), dtype=tl.int64) + depth + 1, mask=real)
+    tl.store(f_logq + at, best, mask=real)
