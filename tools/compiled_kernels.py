@@ -12,10 +12,9 @@ the engine calls it on CUDA, its launches recorded (not run) and compiled
 ``--compiler device`` (the default) compiles with the device image's Triton, which
 tools/setup_env.sh installs beside the venv; ``local`` with this machine's.
 
-Not timings: the instruction count is the length of the stream each warp issues (the 65-node
-verify is latency-bound at B = 1), the stack and local loads are its spills, and each wgmma
-wait is a dot every warp stops for (its operands staged through shared memory behind a
-barrier first).
+Not timings, and counted in the code, where a loop's body counts once: the instructions are
+the code's size, the stack and local loads its spills, and each wgmma wait a dot every warp
+stops for (its operands staged through shared memory behind a barrier first).
 """
 
 from __future__ import annotations

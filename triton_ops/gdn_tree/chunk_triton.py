@@ -84,12 +84,12 @@ ROW_BLOCK = 16
 # Rows of one verify block: the masked A and its inverse stay in registers.
 MAX_SUPER_BLOCK = 64
 # Key columns of the q / k / state tiles a pass over K loads at a time. At the engine's 65x1
-# verify (K = 128, sm_90, the device's Triton 3.6) 128 makes 16 wgmma waits instead of 26 but
-# spills 464 B instead of 296 (tools/compiled_kernels.py): for the GPU sweep to settle.
+# verify (K = 128, sm_90, the device's Triton 3.6) 128 runs 18 wgmma waits instead of 24
+# but spills 464 B instead of 296 (tools/compiled_kernels.py): for the GPU sweep to settle.
 K_CHUNK = 64
 # The tile kernel's 64-row blocks multiply K and Q by the state's three bf16 parts in one dot
-# (dot_parts' FUSE): at the engine's 65x1 verify (sm_90, device Triton 3.6) 18 wgmma waits
-# instead of 26, the same stack, 6% more instructions. Smaller blocks run mma.sync, where
+# (dot_parts' FUSE): the engine's 65x1 verify (sm_90, device Triton 3.6) runs 24 wgmma waits
+# instead of 32, with the same stack and 6% more code. Smaller blocks run mma.sync, where
 # the fused dot only adds registers (33 x 1: 568 B of stack against 112), and the split's
 # output kernel spills more with it (65 x 8: 608 against 408 B): they keep three dots.
 FUSE_STATE_PARTS = True
