@@ -226,6 +226,27 @@ def test_batched_round_equals_one_request_at_a_time(layout):
             torch.testing.assert_close(got, logq[r : r + 1], atol=1e-5, rtol=0, msg=f"seed {seed}")
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_on_the_cuda_path_equals_the_torch_path(layout, monkeypatch):
+    """Every op on its kernel (in the interpreter), as on CUDA: each block's MLP output is
+    added inside the next norm (two blocks here, then out_norm), the same scores as the
+    PyTorch path's separate adds."""
+    from host_reads import run_as_on_cuda
+
+    seed = random.randrange(2**31)
+    rows, depth, width, calls = 2, 5, 3, 4
+    weaver = random_weaver(make_config(layout, num_layers=2), seed)
+    weaver.prepare_tables(*make_target(seed + 1))
+    inputs = make_round_inputs(rows, depth, seed + 2)
+    max_nodes = 1 + width * calls
+    plan = TreePlan(rows, depth, max_nodes, width, "random", seed + 3)
+    _, expected = run_plan(weaver, inputs, plan, max_nodes, calls)
+    run_as_on_cuda(monkeypatch)
+    session = weaver.start_round(*inputs, max_nodes=max_nodes)
+    for call, want in expected:
+        torch.testing.assert_close(session.expand(*call), want, atol=1e-5, rtol=0, msg=f"seed {seed}")
+
+
 def test_unvalidated_round_gives_the_same_scores():
     """The engine's rounds skip the host-side node checks; the numbers must not change."""
     seed = random.randrange(2**31)

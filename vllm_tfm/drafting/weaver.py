@@ -231,8 +231,14 @@ class _WeaverBlock(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [..., d_rank] plus o_proj of attn [..., H, hd], then plus the MLP."""
+        x, mlp_out = self.finish_parts(x, attn)
+        return x + mlp_out
+
+    def finish_parts(self, x: torch.Tensor, attn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`finish` before its last sum: (x plus o_proj of attn, the MLP's output), for
+        a caller that adds them inside the next norm (``add_and_norm``, one launch)."""
         x, normed = self.norm_mlp.add_and_norm(x, self.o_proj(attn.flatten(-2).to(x.dtype)))
-        return x + self.mlp(normed)
+        return x, self.mlp(normed)
 
 
 class LearnedPosBlock(_WeaverBlock):
@@ -617,16 +623,21 @@ class WeaverRound:
                               depths)
         x = weaver.token_table[places.token_row]
         x = weaver._add_positions(x, places.positions)
+        mlp_out = None  # the last block's MLP output, added inside the next norm
         for layer, block in enumerate(weaver.blocks):
-            q, k, v = block.project(block.norm_attn(x))  # [R, w, H, hd], before rotary
+            if mlp_out is None:
+                normed = block.norm_attn(x)
+            else:
+                x, normed = block.norm_attn.add_and_norm(x, mlp_out)
+            q, k, v = block.project(normed)  # [R, w, H, hd], before rotary
             tables = self.rotary_tables[layer]
             attn = node_attention(
                 q, k, v, self.prefix_keys[layer], self.prefix_values[layer],
                 self.node_keys[layer], self.node_values[layer], places.kv_slot,
                 places.ancestors, None if tables is None else places.positions, tables,
             )
-            x = block.finish(x, attn)
-        y = weaver.out_norm(x)
+            x, mlp_out = block.finish_parts(x, attn)
+        _, y = weaver.out_norm.add_and_norm(x, mlp_out)
 
         return pool_logits_log_softmax(
             y, weaver.query_table, self.pool_ids, self.pool_scores, pool_rows=places.pool_row
