@@ -54,10 +54,10 @@ from triton_ops.gdn_tree import (
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS, commit_layer_table
 from triton_ops.gdn_tree.chunk_triton import (
     FUSE_STATE_PARTS,
-    K_CHUNK,
     VERIFY_KERNELS,
     commit_triton,
     kernel_takes,
+    key_chunk,
     verify_triton,
 )
 from triton_ops.testing import compiled_variants, random_tree_metadata, rel_err, same_bits
@@ -69,7 +69,6 @@ from triton_ops.tree_attention import (
 )
 from triton_ops.tree_attention.attention import kernel_config
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
-from triton_ops.utils import dot_block
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
 from vllm_tfm.benchmarks.launches import launches
 from vllm_tfm.drafting.builders import build_sampled_tree
@@ -613,7 +612,7 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                                      prepare_warps=config.prepare_warps, kernel=kernel, k_chunk=config.k_chunk,
                                      fuse_parts=config.fuse_parts)
 
-            chunk = str(min(dot_block(K), config.k_chunk or K_CHUNK))  # the chunk the kernel runs
+            chunk = str(key_chunk(K, config.k_chunk))
             parts = "one dot" if config.fuse_parts else "three"
             label = (f"verify BV={config.block_v} warps={config.num_warps}/{config.prepare_warps} "
                      f"{config.precision} K chunk {chunk} parts {parts} (N={N}, B={B})")

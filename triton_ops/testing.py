@@ -15,12 +15,17 @@ Everything is drawn from the caller's ``torch.Generator``, so a seed replays it.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 import triton
+import triton.language as tl
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
 
@@ -224,10 +229,6 @@ def describe_launch(fn, args, kwargs) -> dict:
     it: argument types, constexpr values (dtypes by name), launch options. As a launch
     specialises them: integers equal to 1 become constants, pointers and integers divisible
     by 16 are marked so."""
-    import inspect
-
-    import triton.language as tl
-
     parameters = inspect.signature(fn).parameters
     values = dict(zip(parameters, args)) | {k: v for k, v in kwargs.items() if k not in LAUNCH_OPTIONS}
     signature, constexprs, divisible = {}, [], []
@@ -289,10 +290,6 @@ def compile_sm90(launches: list, triton_root: Path | None = None, lines: int = 0
     """Compile each distinct recorded launch for sm_90 with this environment's Triton, or
     with the one installed under ``triton_root`` (put first on the compiler's path); for
     every launch, what :data:`COMPILER` prints of it."""
-    import os
-    import subprocess
-    import sys
-
     keys = [json.dumps(describe_launch(*launch), sort_keys=True) for launch in launches]
     unique = list(dict.fromkeys(keys))
     env = {**os.environ, "TRITON_INTERPRET": "0"}
@@ -314,6 +311,4 @@ def compile_sm90(launches: list, triton_root: Path | None = None, lines: int = 0
 
 def device_triton() -> Path:
     """Where tools/setup_env.sh installs the device image's Triton (beside the venv)."""
-    import sys
-
     return Path(sys.prefix) / "triton-device"

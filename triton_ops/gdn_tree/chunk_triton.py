@@ -299,13 +299,20 @@ def dot_parts(x, hi, mid, lo, acc, PREC: tl.constexpr, SPLIT: tl.constexpr, NATI
 
 
 @triton.jit
+def first_column(x, COLUMNS: tl.constexpr):
+    """[len(x), COLUMNS]: ``x`` in column 0, zeros elsewhere. A dot against it takes one
+    column of products (16 columns: the narrowest dot) without a row sum."""
+    first = tl.arange(0, COLUMNS) == 0
+    return tl.where(first[None, :], x[:, None], tl.zeros([x.shape[0], COLUMNS], dtype=x.dtype))
+
+
+@triton.jit
 def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
     """G of ``rows`` in float64: the sum of g over each node and its ancestors,
     which precede it (topological order), in BT-column slices. Each slice is a float64 dot
     of the 0/1 ancestor bits against g as the first of 16 columns (products exact, float64
     sums): a float64 row sum of the [rows, BT] slice compiled to ~700 sm_90 instructions."""
     acc = tl.zeros([rows.shape[0], 16], dtype=tl.float64)
-    first = tl.arange(0, 16) == 0
     last = tl.minimum(tl.max(rows) + 1, n_b)
     for c in range(0, tl.cdiv(last, BT)):
         cols = c * BT + tl.arange(0, BT)
@@ -313,8 +320,7 @@ def path_sums(g, stride_gn, words, row_base, rows, n_b, W, BT: tl.constexpr):
         # A slice of BT (which divides 64) columns lies in one bitset word: one load a row.
         w = tl.load(words + (row_base + rows) * W + (c * BT) // 64, mask=rows < n_b, other=0)
         bits = bit_is_set(w[:, None], cols[None, :]) & (cols[None, :] < n_b)
-        g_col = tl.where(first[None, :], g_c[:, None], tl.zeros([BT, 16], dtype=tl.float64))
-        acc = tl.dot(tl.where(bits, 1.0, 0.0).to(tl.float64), g_col, acc, out_dtype=tl.float64)
+        acc = tl.dot(tl.where(bits, 1.0, 0.0).to(tl.float64), first_column(g_c, 16), acc, out_dtype=tl.float64)
     return tl.sum(acc, axis=1)
 
 
@@ -452,13 +458,11 @@ def root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K
     kernels' A and P before the norms and the decay. Dots against k_0 as the first of 16
     columns (the smallest dot), not row sums: an fp32 row sum of a [rows, BKC] tile compiled
     to ~450 sm_90 instructions, the dot and its 16-column sum to a tenth of that."""
-    first = tl.arange(0, 16) == 0
     k_k0 = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
     q_k0 = tl.zeros([rows.shape[0], 16], dtype=tl.float32)
     for j in tl.static_range(BK // BKC):
         ck = j * BKC + tl.arange(0, BKC)
-        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0)
-        k0_column = tl.where(first[None, :], k0[:, None], tl.zeros([BKC, 16], dtype=k0.dtype))
+        k0_column = first_column(tl.load(k + ck * stride_kk, mask=ck < K, other=0.0), 16)
         k_k0 = k_k0 + dot_raw(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K), k0_column, PREC, LOWP)
         q_k0 = q_k0 + dot_raw(load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K), k0_column, PREC, LOWP)
     return tl.sum(k_k0, axis=1), tl.sum(q_k0, axis=1)
@@ -514,15 +518,16 @@ def tile_row_block(
         qs = tl.zeros([R, BV], dtype=tl.float32)
         k_sq = tl.zeros([R], dtype=tl.float32)
         q_sq = tl.zeros([R], dtype=tl.float32)
+        FUSE: tl.constexpr = FUSE_PARTS and R == 64  # where the dots are wgmma (FUSE_STATE_PARTS)
         for c in tl.static_range(BK // BKC):
             ck = c * BKC + tl.arange(0, BKC)
             s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
             s_hi, s_mid, s_lo = bf16_parts(s0, SPLIT_S0)
             b_k = load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)
-            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE, FUSE_PARTS and R == 64)
+            ks = dot_parts(b_k, s_hi, s_mid, s_lo, ks, PREC, SPLIT_S0, NATIVE, FUSE)
             k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
             b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE, FUSE_PARTS and R == 64)
+            qs = dot_parts(b_q, s_hi, s_mid, s_lo, qs, PREC, SPLIT_S0, NATIVE, FUSE)
             q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
         rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([R], 1.0, dtype=tl.float32)
         rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([R], scale, dtype=tl.float32)
@@ -924,6 +929,14 @@ def _commit_kernel(
     tl.store(ptr, b_s.to(ptr.dtype.element_ty), mask=tile & (ck[:, None] < k_store))
 
 
+def key_chunk(K: int, k_chunk: int | None = None) -> int:
+    """The K chunk the verify kernels run for head dim K when asked for ``k_chunk`` (a power
+    of two from 16; None: K_CHUNK): at most the padded K."""
+    if k_chunk is not None and (k_chunk < 16 or k_chunk & (k_chunk - 1)):
+        raise ValueError(f"k_chunk must be a power of two >= 16, got {k_chunk}")
+    return min(dot_block(K), k_chunk or K_CHUNK)
+
+
 def verify_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -953,9 +966,7 @@ def verify_triton(
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
-    if k_chunk is not None and (k_chunk < 16 or k_chunk & (k_chunk - 1)):
-        raise ValueError(f"k_chunk must be a power of two >= 16, got {k_chunk}")
-    BKC = min(BK, k_chunk or K_CHUNK)
+    BKC = key_chunk(K, k_chunk)
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev) if o is None else o
