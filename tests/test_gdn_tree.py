@@ -19,7 +19,7 @@ import triton_ops.utils as utils
 from triton_ops.gdn_tree import chunk_triton
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION, PRECISIONS
 from triton_ops.gdn_tree.naive import l2_normalize
-from triton_ops.testing import random_tree_metadata, rel_err
+from triton_ops.testing import random_tree_metadata, recording_launches, rel_err
 from triton_ops.tree_metadata import build_tree_metadata
 from triton_ops.utils import interpreting
 
@@ -224,6 +224,21 @@ def test_launch_knobs_verify_alike(kernel, dtype, k_chunk, fuse_parts, poisoned_
     with pytest.raises(ValueError, match="k_chunk must be a power of two >= 16, got 48"):
         chunk_triton.verify_triton(q, k, v, g, beta, pool, slots, meta, 128 ** -0.5, True,
                                    "tf32x3", kernel=kernel, k_chunk=48)
+
+
+@pytest.mark.parametrize("num_warps, fused", [(None, True), (4, True), (8, False)])
+def test_state_parts_fuse_only_at_four_warps(num_warps, fused, gen):
+    """The engine's 65-node tile launch asks for the fused parts; only a 4-warp launch gets
+    them (8 warps hit an illegal memory access on an H100: FUSED_PARTS_WARPS)."""
+    meta = random_tree_metadata(gen, ["bushy"], 65)
+    inputs = make_inputs(gen, 1, 65, 1, 2, 128, 128, dtype=torch.bfloat16)
+    with recording_launches() as launches:
+        chunk_triton.verify_triton(*inputs, meta, 128 ** -0.5, True, "tf32x3", kernel="peeled_tile",
+                                   num_warps=num_warps, fuse_parts=True)
+    [(kernel, _, kwargs)] = launches
+    assert kernel.__name__ == "_verify_tile_kernel"
+    assert kwargs["num_warps"] == (num_warps or 4)
+    assert kwargs["FUSE_PARTS"] is fused
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -56,6 +56,7 @@ from triton_ops.gdn_tree.chunk_triton import (
     FUSE_STATE_PARTS,
     VERIFY_KERNELS,
     commit_triton,
+    fuses_parts,
     kernel_takes,
     key_chunk,
     verify_triton,
@@ -571,7 +572,7 @@ SWEEP_CONFIGS = {
     # 65 x 1: fewer wgmma waits (chunk_triton.K_CHUNK, FUSE_STATE_PARTS).
     "tile": [SweepConfig(bv, w) for bv in (32, 64, 128) for w in (4, 8)]
     + [SweepConfig(32, w, k_chunk=128) for w in (4, 8)]
-    + [SweepConfig(32, w, fuse_parts=not FUSE_STATE_PARTS) for w in (4, 8)],
+    + [SweepConfig(32, 4, fuse_parts=not FUSE_STATE_PARTS)],  # 8 warps never fuse (fuses_parts)
 }
 SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
 
@@ -613,7 +614,7 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
                                      fuse_parts=config.fuse_parts)
 
             chunk = str(key_chunk(K, config.k_chunk))
-            parts = "one dot" if config.fuse_parts else "three"
+            parts = "one dot" if fuses_parts(config.fuse_parts, config.num_warps) else "three"
             label = (f"verify BV={config.block_v} warps={config.num_warps}/{config.prepare_warps} "
                      f"{config.precision} K chunk {chunk} parts {parts} (N={N}, B={B})")
             head = [str(N), str(B), str(config.block_v), str(config.num_warps), str(config.prepare_warps),

@@ -93,6 +93,9 @@ K_CHUNK = 64
 # the fused dot only adds registers (33 x 1: 568 B of stack against 112), and the split's
 # output kernel spills more with it (65 x 8: 608 against 408 B): they keep three dots.
 FUSE_STATE_PARTS = True
+# The fused dot runs at this many warps only: at 8 it hit an illegal memory access on an
+# H100 under Triton 3.6 (stop 29, cause not established); at 4 the GPU checked it.
+FUSED_PARTS_WARPS = 4
 # Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
 CROSS_COLS = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
@@ -184,6 +187,12 @@ def tile_second_block(N: int) -> int:
     if N <= MAX_SUPER_BLOCK:
         return 0
     return ROW_BLOCK if N <= MAX_SUPER_BLOCK + ROW_BLOCK else MAX_SUPER_BLOCK
+
+
+def fuses_parts(fuse_parts: bool, num_warps: int) -> bool:
+    """Whether a tile launch of ``num_warps`` asked for ``fuse_parts`` multiplies the
+    state's parts in one dot (:data:`FUSED_PARTS_WARPS`)."""
+    return fuse_parts and num_warps == FUSED_PARTS_WARPS
 
 
 def default_tile_config(heads: int, V: int) -> tuple[int, int]:
@@ -960,7 +969,8 @@ def verify_triton(
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
     ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
     output kernel), ``prepare_warps``, ``k_chunk`` (a power of two from 16, default
-    K_CHUNK) and ``fuse_parts`` (:data:`FUSE_STATE_PARTS`) are tuning knobs for benchmarks.
+    K_CHUNK) and ``fuse_parts`` (:data:`FUSE_STATE_PARTS`, at 4 warps only: :func:`fuses_parts`)
+    are tuning knobs for benchmarks.
     ``o``: a contiguous [B, N, HV, V] tensor the outputs go to (checked by
     ``gdn_tree_verify``), else a new one."""
     B, N, H, K = q.shape
@@ -987,6 +997,7 @@ def verify_triton(
         first_rows, second_rows = tile_blocks(N - peel)
         BV, warps = default_tile_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
+        warps = num_warps or warps
         _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
             o, delta, gate_sum, k_normed,
@@ -995,7 +1006,7 @@ def verify_triton(
             GROUP=HV // H, SB=first_rows, SB2=second_rows, PEEL=peel, CB=CROSS_COLS, BT=ROW_BLOCK, BK=BK,
             BKC=BKC, BV=BV,
             USE_L2=use_qk_l2norm, PREC=precision, LOWP_QK=lowp, SPLIT_S0=split_s0, NATIVE=native,
-            FUSE_PARTS=fuse_parts, num_warps=num_warps or warps,
+            FUSE_PARTS=fuses_parts(fuse_parts, warps), num_warps=warps,
         )
         return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
     # Workspace: only the blocks a request's own rows need are written and read.
