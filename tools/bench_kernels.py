@@ -687,12 +687,16 @@ def gdn_commit_sweep(device, args, deadline: float) -> list[str]:
                  ["N", "B", "BK", "BV", "warps", "rel err", "graph", "one launch"], rows)
 
 
+PROFILED_GDN_SHAPES = ((65, 1), (17, 8), (128, 1))
+
+
 def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
-    """Only launch verify + commit twice at the key shapes, and each of ``kernels``
-    twice, for a profiler to read
+    """Only launch verify + commit twice at the key shapes (the engine's 65-node tree at
+    B = 1, its 17-node trees at B = 8, and 128 nodes), and each of ``kernels`` twice, for a
+    profiler to read
     (``ncu -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn``)."""
     gen = torch.Generator().manual_seed(6)
-    for N, B in ((64, 1), (128, 1), (64, 32)):
+    for N, B in PROFILED_GDN_SHAPES:
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         inputs = gdn_inputs(gen, B, N, 16, 48, 128, 128, torch.bfloat16, device)
         leaf = torch.full((B,), N - 1, device=device)
@@ -703,7 +707,7 @@ def gdn_launches_for_profiler(device, kernels: list[str]) -> list[str]:
                     verify_triton(*inputs, meta, 128**-0.5, True, "tf32x3", kernel=kernel)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    return [f"GDN verify + commit (and {kernels}) launched at (N, B) = (64, 1), (128, 1), (64, 32), twice each",
+    return [f"GDN verify + commit (and {kernels}) launched at (N, B) = {PROFILED_GDN_SHAPES}, twice each",
             ""]
 
 
