@@ -169,6 +169,19 @@ def test_a_bound_step_scores_and_commits_as_the_eager_step(gen, num_reqs, padded
     assert torch.equal(graph_conv[untouched], conv_state[untouched])
 
 
+def test_each_capture_forward_makes_its_own_state_slots():
+    """vLLM runs eager warm-up forwards over the kept capture step, then the captured one.
+    The captured forward must make its own int64 copy of the slot table, which every replay
+    redoes: a warm-up's copy, reused, would hold the warm-up's slots in every replay (every
+    FULL-graph tree step then read other requests' GDN states: the H100, 2026-12-06)."""
+    graphs = GraphedTreeSteps(4, WIDTH, torch.device("cpu"))
+    table = torch.tensor([[3, 0], [5, 0]], dtype=torch.int32)
+    warm_up = graphs.for_capture(8).state_slots(table, 2)
+    table[:, 0] = torch.tensor([7, 2], dtype=torch.int32)
+    captured = graphs.for_capture(8).state_slots(table, 2)
+    assert captured is not warm_up and captured.tolist() == [7, 2]
+
+
 def test_a_steps_gdn_layers_commit_in_one_launch_as_each_alone(gen, monkeypatch):
     """commit_gdn_records on the Triton path (interpreted): a step's GDN layers, their
     caches views of one buffer (vLLM shares cache tensors across layers) or apart and

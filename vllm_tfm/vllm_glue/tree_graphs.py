@@ -132,6 +132,7 @@ class GraphedTreeSteps:
             self.steps[num_reqs] = step
             self._accepted_leaf[num_reqs] = torch.zeros(num_reqs, dtype=torch.int64,
                                                         device=self.device)
+        step.new_forward()
         return step
 
     def bind(self, step: TreeStep, num_reqs_padded: int) -> None:

@@ -183,7 +183,8 @@ class TreeStep:
     # reads the same mask, so the subset is indexed once per group and step.
     _spec_nodes: dict[bytes, RequestNodes] = dataclasses.field(default_factory=dict)
     # state_slots' results, by the slot table's address: the GDN layers of a KV-cache group
-    # share their metadata's table, so its column becomes int64 once per group and step.
+    # share their metadata's table, so its column becomes int64 once per group and forward
+    # (new_forward forgets them).
     _state_slots: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def spec_nodes(self, spec_mask_cpu: torch.Tensor) -> RequestNodes:
@@ -209,6 +210,13 @@ class TreeStep:
         if slots is None:
             slots = self._state_slots[key] = spec_state_indices[:num_spec, 0].long()
         return slots
+
+    def new_forward(self) -> None:
+        """Forget what the last forward over this step computed on the device. A step kept
+        for a graph capture runs vLLM's eager warm-up forwards and then the captured one:
+        the captured forward must make its own int64 slots, which every replay recomputes
+        from the slot table, not read the warm-up's copy of that step's slots."""
+        self._state_slots.clear()
 
     def prime_spec_nodes(self, spec_mask: np.ndarray, nodes: RequestNodes) -> None:
         """Give ``spec_nodes`` its answer for ``spec_mask`` in advance (a step built
