@@ -34,6 +34,7 @@ from vllm_tfm.vllm_glue.runner import (
     wrap_warmup_and_capture,
 )
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, budget_rule_for_graphs, graphable
+from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.tree_step import StepSlot
 
 SHAPES = ("chain", "star", "bushy", "random")
@@ -180,6 +181,20 @@ def test_each_capture_forward_makes_its_own_state_slots():
     table[:, 0] = torch.tensor([7, 2], dtype=torch.int32)
     captured = graphs.for_capture(8).state_slots(table, 2)
     assert captured is not warm_up and captured.tolist() == [7, 2]
+
+
+def test_a_capture_never_reuses_state_slots_made_before_it(monkeypatch):
+    """V1 runs its warm-ups and the capture over one step, with no new_forward between
+    them: inside a capture, state_slots makes its own copy (for the graph to record) even
+    when a warm-up made one from the same table; within the capture it is made once."""
+    step = GraphedTreeSteps(4, WIDTH, torch.device("cpu")).for_capture(8)
+    table = torch.tensor([[3, 0], [5, 0]], dtype=torch.int32)
+    warm_up = step.state_slots(table, 2)
+    assert step.state_slots(table, 2) is warm_up
+    monkeypatch.setattr(tree_step, "capturing_graph", lambda device: True)
+    captured = step.state_slots(table, 2)
+    assert captured is not warm_up and captured.tolist() == [3, 5]
+    assert step.state_slots(table, 2) is captured
 
 
 def test_a_steps_gdn_layers_commit_in_one_launch_as_each_alone(gen, monkeypatch):

@@ -104,6 +104,11 @@ _DEVICE_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_DEVICE_TABLES = 32
 
 
+def capturing_graph(device: torch.device) -> bool:
+    """Whether work queued on ``device`` now is being captured into a CUDA graph (not run)."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """``rows`` as an int64 tensor on ``device``, from the cache when made before (least
     recently used tables leave first). A new table is a host-to-device copy, which a CUDA
@@ -113,7 +118,7 @@ def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.T
     if table is not None:
         _DEVICE_TABLES.move_to_end(key)
         return table
-    if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing_graph(key[0]):
         raise RuntimeError("a new device table is a host-to-device copy, which CUDA graph "
                            "capture does not allow: run the op once before capturing it")
     table = torch.tensor(key[1], dtype=torch.int64)

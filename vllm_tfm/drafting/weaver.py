@@ -45,6 +45,7 @@ from triton_ops.weaver_step import (
     rms_norm,
     silu_mul,
 )
+from triton_ops.utils import capturing_graph
 
 LAYOUTS = ("learned_pos", "rope_swiglu")
 # Sanity bounds: DFlash blocks are 16 wide and pools 512 deep; values far past
@@ -521,7 +522,7 @@ class CausalPass(NamedTuple):
 
 def _may_sync(t: torch.Tensor) -> bool:
     """Value checks read results on the host; that is illegal while capturing a CUDA graph."""
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
+    return not capturing_graph(t.device)
 
 
 class WeaverRound:

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from triton_ops.utils import capturing_graph
 
 
 def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -204,8 +205,11 @@ class TreeStep:
 
     def state_slots(self, spec_state_indices: torch.Tensor, num_spec: int) -> torch.Tensor:
         """[num_spec] int64, each spec request's committed-state slot: column 0 of vLLM's
-        GDN ``spec_state_indices_tensor`` [R, ...]."""
-        key = (spec_state_indices.data_ptr(), num_spec)
+        GDN ``spec_state_indices_tensor`` [R, ...]. A copy made outside a CUDA graph capture
+        is never reused inside one (V1 runs its warm-ups and the capture over one step,
+        without a new_forward between them): the capture records its own copy, which every
+        replay redoes."""
+        key = (spec_state_indices.data_ptr(), num_spec, capturing_graph(spec_state_indices.device))
         slots = self._state_slots.get(key)
         if slots is None:
             slots = self._state_slots[key] = spec_state_indices[:num_spec, 0].long()
