@@ -25,6 +25,7 @@ from triton_ops.gdn_tree import gdn_tree_commit
 from triton_ops.testing import random_tree_batch
 from triton_ops.tree_conv import tree_conv1d_commit
 from vllm_tfm.options import MAX_BATCH, TfmOptions, budget_for_batch
+from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.attention import tree_attention_rows
 from vllm_tfm.vllm_glue.commit import commit_gdn_records
 from vllm_tfm.vllm_glue.gdn import tree_gdn_core
@@ -34,7 +35,6 @@ from vllm_tfm.vllm_glue.runner import (
     wrap_warmup_and_capture,
 )
 from vllm_tfm.vllm_glue.tree_graphs import GraphedTreeSteps, budget_rule_for_graphs, graphable
-from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.tree_step import StepSlot
 
 SHAPES = ("chain", "star", "bushy", "random")

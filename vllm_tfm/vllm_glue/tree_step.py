@@ -183,10 +183,10 @@ class TreeStep:
     # spec_nodes' results, by the host mask's bytes: every GDN layer of a KV-cache group
     # reads the same mask, so the subset is indexed once per group and step.
     _spec_nodes: dict[bytes, RequestNodes] = dataclasses.field(default_factory=dict)
-    # state_slots' results, by the slot table's address: the GDN layers of a KV-cache group
-    # share their metadata's table, so its column becomes int64 once per group and forward
-    # (new_forward forgets them).
-    _state_slots: dict[tuple[int, int], torch.Tensor] = dataclasses.field(default_factory=dict)
+    # state_slots' results, by the slot table's address, its row count and whether a graph
+    # was being captured: the GDN layers of a KV-cache group share their metadata's table,
+    # so its column becomes int64 once per group and forward (new_forward forgets them).
+    _state_slots: dict[tuple[int, int, bool], torch.Tensor] = dataclasses.field(default_factory=dict)
 
     def spec_nodes(self, spec_mask_cpu: torch.Tensor) -> RequestNodes:
         """The requests vLLM's GDN metadata runs as spec decodes (its host mask [R] bool),
