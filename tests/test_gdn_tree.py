@@ -228,12 +228,12 @@ def test_launch_knobs_verify_alike(kernel, dtype, k_chunk, fuse_parts, poisoned_
 
 @pytest.mark.parametrize("num_warps, fused", [(None, True), (4, True), (8, False)])
 def test_state_parts_fuse_only_at_four_warps(num_warps, fused, gen):
-    """The engine's 65-node tile launch asks for the fused parts; only a 4-warp launch gets
-    them (8 warps hit an illegal memory access on an H100: FUSED_PARTS_WARPS)."""
-    meta = random_tree_metadata(gen, ["bushy"], 65)
-    inputs = make_inputs(gen, 1, 65, 1, 2, 128, 128, dtype=torch.bfloat16)
+    """A tile launch with a 64-row block asks for the fused parts; only a 4-warp launch gets
+    them (FUSED_PARTS_WARPS). Unpeeled: a peeled kernel takes no 8 warps."""
+    meta = random_tree_metadata(gen, ["bushy"], 64)
+    inputs = make_inputs(gen, 1, 64, 1, 2, 128, 128, dtype=torch.bfloat16)
     with recording_launches() as launches:
-        chunk_triton.verify_triton(*inputs, meta, 128 ** -0.5, True, "tf32x3", kernel="peeled_tile",
+        chunk_triton.verify_triton(*inputs, meta, 128 ** -0.5, True, "tf32x3", kernel="tile",
                                    num_warps=num_warps, fuse_parts=True)
     [(kernel, _, kwargs)] = launches
     assert kernel.__name__ == "_verify_tile_kernel"
@@ -355,6 +355,21 @@ def test_unknown_verify_kernel_raises(gen):
                           ("peeled_tile", "tile kernels only for N <= 128")):
         with pytest.raises(ValueError, match=match):
             chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", chunk_triton.PEELED_KERNELS)
+def test_peeled_kernels_refuse_more_than_four_warps(kernel, gen):
+    """8 warps read shared memory out of bounds in the peeled kernels under Triton 3.6
+    (compute-sanitizer, H100): refused before any launch; 4 warps launch."""
+    meta = random_tree_metadata(gen, ["bushy"], 17)
+    inputs = make_inputs(gen, 1, 17, 1, 2, 32, 32)
+    with recording_launches() as launches:
+        with pytest.raises(ValueError, match=f"num_warps: kernel '{kernel}' takes at most 4 warps.*got 8"):
+            chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel, num_warps=8)
+        assert launches == []
+        chunk_triton.verify_triton(*inputs, meta, 0.25, True, "tf32x3", kernel=kernel, num_warps=4)
+    assert launches[-1][2]["num_warps"] == 4  # the tile or output kernel, launched last
+    assert chunk_triton.kernel_takes_warps("tile", 8) and chunk_triton.kernel_takes_warps("split", 8)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

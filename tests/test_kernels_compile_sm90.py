@@ -268,18 +268,20 @@ def test_a_commit_of_several_layers_loads_as_a_commit_of_one(gen, monkeypatch):
 
 def test_compiled_kernels_tool_tables_each_launch(tmp_path):
     """tools/compiled_kernels.py end to end: one row per launch (the split makes two), with
-    the source lines asked for, saved with --out."""
+    the source lines asked for, saved with --out; a launch the kernel does not take is named,
+    not compiled."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "compiled.md"
     done = subprocess.run(
-        [sys.executable, str(root / "tools" / "compiled_kernels.py"), "--shapes", "17x1,65x8",
+        [sys.executable, str(root / "tools" / "compiled_kernels.py"), "--shapes", "16x1,64x8,17x1",
          "--configs", "default,32x8", "--compiler", "local", "--lines", "3", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 17 |") or line.startswith("| 65 |")]
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1") or line.startswith("| 6")]
     assert [row.split(" | ")[3] for row in rows] == ["_verify_tile_kernel"] * 2 + [
-        "_verify_prepare_kernel", "_verify_output_kernel"] * 2
+        "_verify_prepare_kernel", "_verify_output_kernel"] * 2 + ["_verify_tile_kernel"]
     assert "| 32 x 8 |" in rows[1] and out.read_text().count("chunk_triton.py:") >= 3
+    assert "peeled_tile at 17 x 1 takes no 8 warps" in out.read_text()
     bad = subprocess.run([sys.executable, str(root / "tools" / "compiled_kernels.py"), "--shapes", "65"],
                          capture_output=True, text=True, cwd=root, env={**os.environ, "TRITON_INTERPRET": "1"})
     assert bad.returncode == 2 and "--shapes must be comma-separated AxB pairs" in bad.stderr

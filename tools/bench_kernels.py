@@ -56,8 +56,10 @@ from triton_ops.gdn_tree.chunk_triton import (
     FUSE_STATE_PARTS,
     VERIFY_KERNELS,
     commit_triton,
+    default_verify_kernel,
     fuses_parts,
     kernel_takes,
+    kernel_takes_warps,
     key_chunk,
     verify_triton,
 )
@@ -587,7 +589,8 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
     """Verify time per launch configuration of ``args.sweep_kernel`` (CUDA graph), alone
     and right after a GEMM as in the model (``verify_between_gemms``), each configuration's
     output checked against gdn_tree_verify's default path first (``--smoke``: tiny shapes,
-    the checks alone). Shapes: ``--gdn-shapes``, else (128, 1), (64, 8), (128, 8), (64, 32)."""
+    the checks alone). Shapes: ``--gdn-shapes``, else (128, 1), (64, 8), (128, 8), (64, 32).
+    Configurations the launched kernel does not take (``kernel_takes_warps``) are left out."""
     if not args.sweep:
         return []
     H, HV, K, V = (2, 4, 32, 32) if args.smoke else (16, 48, 128, 128)
@@ -602,7 +605,10 @@ def gdn_config_sweep(device, args, deadline: float) -> list[str]:
         meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B, device=device)
         sets = [gdn_inputs(gen, B, N, H, HV, K, V, torch.bfloat16, device) for _ in range(8 if B == 1 else 2)]
         expected = gdn_tree_verify(*sets[0], meta).o.float()
+        launched = kernel or default_verify_kernel(N, B * HV)
         for config in configs:
+            if not kernel_takes_warps(launched, config.num_warps):
+                continue
             if time.monotonic() > deadline:
                 break
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from triton_ops.gdn_tree.chunk import DEFAULT_PRECISION
-from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, default_verify_kernel, verify_triton
+from triton_ops.gdn_tree.chunk_triton import VERIFY_KERNELS, default_verify_kernel, kernel_takes_warps, verify_triton
 from triton_ops.testing import compile_sm90, device_triton, random_tree_metadata, recording_launches
 
 H, HV, K = 16, 48, 128
@@ -85,6 +85,9 @@ def main(argv=None) -> int:
         kernel = args.kernel or default_verify_kernel(N, B * HV)
         for config in configs:
             block_v, num_warps = config or (None, None)
+            if num_warps and not kernel_takes_warps(kernel, num_warps):
+                details.append(f"\n{kernel} at {N} x {B} takes no {num_warps} warps (PEELED_MAX_WARPS): not compiled")
+                continue
             launches = verify_launches(N, B, kernel, block_v, num_warps)
             for launch, report in zip(launches, compile_sm90(launches, root, args.lines)):
                 options = launch[2]

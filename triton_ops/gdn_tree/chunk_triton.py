@@ -94,8 +94,16 @@ K_CHUNK = 64
 # output kernel spills more with it (65 x 8: 608 against 408 B): they keep three dots.
 FUSE_STATE_PARTS = True
 # The fused dot runs at this many warps only: at 8 it hit an illegal memory access on an
-# H100 under Triton 3.6 (stop 29, cause not established); at 4 the GPU checked it.
+# H100 under Triton 3.6 (stop 29), probably the peeled kernels' fault below (those runs
+# were peeled); at 4 the GPU checked it.
 FUSED_PARTS_WARPS = 4
+# Most warps a peeled kernel (tile, or the split's output kernel) launches with. At 8,
+# compute-sanitizer on an H100 (Triton 3.6.0) reports out-of-bounds shared-memory reads
+# inside the compiled kernel (attributed to load_chunk, inlined at several sites), with or
+# without the fused parts: peeled tile at 65 x 1, peeled split at 65 x 1 and 65 x 16. The
+# same launches at 4 warps, and the unpeeled tile at 64 x 1 with 8, were clean. Shared
+# memory is the compiler's to address, so the fault is Triton's (BENCHMARKS.md, stop 31).
+PEELED_MAX_WARPS = 4
 # Columns of the tile kernel's off-diagonal A_rc / P_rc formed at a time.
 CROSS_COLS = 32
 # BV = 16 hit an illegal memory access in the earlier tile kernel under Triton 3.6
@@ -157,6 +165,12 @@ def kernel_takes(kernel: str, N: int) -> bool:
     """Whether verify kernel ``kernel`` takes trees of N nodes (the tile kernels: two row
     blocks of at most MAX_SUPER_BLOCK rows)."""
     return kernel not in TILE_KERNELS or N <= TILE_MAX_NODES
+
+
+def kernel_takes_warps(kernel: str, num_warps: int) -> bool:
+    """Whether verify kernel ``kernel`` may launch its tile or output kernel with
+    ``num_warps`` warps (:data:`PEELED_MAX_WARPS`)."""
+    return kernel not in PEELED_KERNELS or num_warps <= PEELED_MAX_WARPS
 
 
 def tile_blocks(rows: int) -> tuple[int, int]:
@@ -946,6 +960,12 @@ def key_chunk(K: int, k_chunk: int | None = None) -> int:
     return min(dot_block(K), k_chunk or K_CHUNK)
 
 
+def check_warps(kernel: str, num_warps: int) -> None:
+    if not kernel_takes_warps(kernel, num_warps):
+        raise ValueError(f"num_warps: kernel {kernel!r} takes at most {PEELED_MAX_WARPS} warps (Triton 3.6 "
+                         f"reads shared memory out of bounds at more), got {num_warps}")
+
+
 def verify_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -998,6 +1018,7 @@ def verify_triton(
         BV, warps = default_tile_config(B * HV, V)
         BV = max(MIN_BLOCK_V, block_v or BV)
         warps = num_warps or warps
+        check_warps(kernel, warps)
         _verify_tile_kernel[(triton.cdiv(V, BV), B * HV)](
             q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
             o, delta, gate_sum, k_normed,
@@ -1009,6 +1030,10 @@ def verify_triton(
             FUSE_PARTS=fuses_parts(fuse_parts, warps), num_warps=warps,
         )
         return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
+    BV, warps = default_output_config(B * HV, V)
+    BV = max(MIN_BLOCK_V, block_v or BV)
+    warps = num_warps or warps
+    check_warps(kernel, warps)
     # Workspace: only the blocks a request's own rows need are written and read.
     NP = dot_block(N - peel)
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
@@ -1023,15 +1048,13 @@ def verify_triton(
         scale, N, HV, K, words.shape[-1],
         BT=ROW_BLOCK, num_warps=prepare_warps or 4, **common,
     )
-    BV, warps = default_output_config(B * HV, V)
-    BV = max(MIN_BLOCK_V, block_v or BV)
     _verify_output_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes,
         gate_sum, k_normed, solve, scores, o, delta,
         *q.stride(), *k.stride(), *v.stride(), g.stride(0), g.stride(2), beta.stride(0), beta.stride(2),
         *ssm_state.stride(),
         scale, N, HV, K, V, words.shape[-1],
-        BV=BV, SPLIT_S0=split_s0, NATIVE=native, num_warps=num_warps or warps, **common,
+        BV=BV, SPLIT_S0=split_s0, NATIVE=native, num_warps=warps, **common,
     )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
 
