@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from vllm_tfm.drafting.builders import build_weaver_tree
-from vllm_tfm.drafting.draft_round import CandidatePools, DraftRound, draft_trees
+from vllm_tfm.drafting.draft_round import CandidatePools, DraftRound, candidate_pools, draft_trees
 from vllm_tfm.drafting.weaver import WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import random_weaver
 
@@ -139,3 +139,18 @@ def test_draft_round_rejects_bad_inputs():
         round_(torch.zeros(3, dtype=torch.int64), pools)
     with pytest.raises(ValueError, match="pools must be"):
         round_(torch.zeros(1, dtype=torch.int64), pools)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_candidate_pools_rank_in_the_logits_dtype_and_widen_only_the_pools(dtype):
+    """The pools of 16-bit logits are their top values, widened to float32 exactly, in
+    descending order, distinct ids (tied values may take either id); no wider than V."""
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(2, 3, 1000, generator=gen) * 4).to(dtype)  # bf16 rounding makes ties
+    pools = candidate_pools(logits, 64)
+    assert pools.ids.dtype == torch.int64 and pools.scores.dtype == torch.float32
+    assert pools.ids.shape == pools.scores.shape == (2, 3, 64)
+    assert torch.equal(pools.scores, torch.topk(logits.float(), 64, dim=-1).values)
+    assert torch.equal(logits.float().gather(-1, pools.ids), pools.scores)
+    assert all(len(set(row.tolist())) == 64 for row in pools.ids.view(-1, 64))
+    assert candidate_pools(logits[..., :40], 64).ids.shape == (2, 3, 40)

@@ -44,10 +44,13 @@ def candidate_pools(logits: torch.Tensor, pool_size: int) -> CandidatePools:
     """The top-``min(pool_size, V)`` raw logits of each draft position.
 
     ``logits``: [R, D, V] target-LM-head logits of the DFlash states at block
-    positions 1..D (any float dtype; ranked in float32; any leading dimensions).
+    positions 1..D (any float dtype; any leading dimensions). Ranked in their own dtype:
+    widening to float32 is exact and keeps the order, and a float32 copy of a 27B
+    target's logits (vocabulary 248k) was what ran a 32-request capture out of memory
+    on the H100 (512 MB at 32 requests x 16 positions); only the pools are widened.
     """
-    scores, ids = torch.topk(logits.float(), min(pool_size, logits.shape[-1]), dim=-1)
-    return CandidatePools(ids, scores)
+    scores, ids = torch.topk(logits, min(pool_size, logits.shape[-1]), dim=-1)
+    return CandidatePools(ids, scores.float())
 
 
 def draft_depth(budget: int, dflash_depth: int, weaver: Weaver | None = None) -> int:
