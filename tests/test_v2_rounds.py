@@ -24,6 +24,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_drafter_pools import drafter
 from test_proposer_rounds import D, P, V, WIDTH, _same_tree, _weaver
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
@@ -59,8 +60,7 @@ def _speculator(tree: str, gen: torch.Generator, budgets=(BUDGET,), verify: str 
         input_ids=torch.full((max_reqs * block,), -5, dtype=torch.int32))
     spec.sample_indices = torch.zeros(max_reqs * depth, dtype=torch.int64)
     spec.sample_pos = torch.zeros(max_reqs * depth, dtype=torch.int64)
-    head = torch.randn(vocab, WIDTH, generator=gen)
-    spec.model = SimpleNamespace(compute_logits=lambda states: states.float() @ head.T)
+    spec.model = drafter(torch.randn(vocab, WIDTH, generator=gen))
     spec._init_round({}, torch.device("cpu"), budgets)
     spec.engine.temperature = np.zeros(max_reqs, dtype=np.float32)
     return spec

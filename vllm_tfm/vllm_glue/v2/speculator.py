@@ -64,13 +64,12 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 
 from vllm_tfm.drafting.draft_round import (
     CandidatePools,
-    candidate_pools,
     draft_depth,
     draft_trees,
     draft_trees_by_mask,
 )
 from vllm_tfm.options import TfmOptions
-from vllm_tfm.vllm_glue.proposer import _embedding_and_head
+from vllm_tfm.vllm_glue.proposer import _embedding_and_head, drafter_pools
 from vllm_tfm.vllm_glue.tree_step import install_step_slot, to_device
 from vllm_tfm.vllm_glue.v2.engine import TreeEngine, install_engine
 from vllm_tfm.vllm_glue.v2.trees import SlotTrees
@@ -255,8 +254,7 @@ class TreeSpeculator(DFlashSpeculator):
                                  num_tokens_across_dp, cudagraph_runtime_mode)
         depth = self.num_speculative_steps
         states = hidden[self.sample_indices[: num_reqs * depth]]
-        logits = self.model.compute_logits(states)
-        pools = candidate_pools(logits.view(num_reqs, depth, -1), self.options.candidate_pool)
+        pools = drafter_pools(self.model, states, depth, self.options.candidate_pool)
         self._grow_trees(num_reqs, pools, states.view(num_reqs, depth, -1))
 
     def _grow_trees(self, num_reqs: int, pools: CandidatePools,
