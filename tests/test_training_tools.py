@@ -460,10 +460,31 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
         "--device", "cpu",
     ])
     assert (tmp_path / "eval.png").is_file()
-    assert {(r["method"], r["budget"]) for r in report["results"]} == {
-        ("chain", depth), ("ddtree", 8), ("weaver", 8)}
+    rows = {(r["temperature"], r["method"], r["budget"], r["trees"], r["verifier"])
+            for r in report["results"]}
+    deterministic = {(0.0, "chain", depth, "deterministic", "greedy"),
+                     (0.0, "ddtree", 8, "deterministic", "greedy"),
+                     (0.0, "weaver", 8, "deterministic", "greedy"),
+                     (1.0, "chain", depth, "deterministic", "target-only"),
+                     (1.0, "ddtree", 8, "deterministic", "target-only"),
+                     (1.0, "weaver", 8, "deterministic", "target-only")}
+    assert rows == deterministic | {(1.0, "ddtree", 8, "sampled", "traversal"),
+                                    (1.0, "weaver", 8, "sampled", "traversal")}
     assert all(r["tau"] >= 1.0 and r["steps"] >= 1 for r in report["results"])
-    assert set(report["summary"]) == {"T=0", "T=1"}
+    summary = report["summary"]
+    assert set(summary) == {"T=0", "T=1"}
+    assert "weaver8 auto" not in summary["T=0"]
+    # At T = 1 "auto" gives both kinds sampled trees (options.AUTO_SAMPLED_TREE_MIN_TEMPERATURE).
+    for method in ("ddtree8", "weaver8"):
+        assert summary["T=1"][f"{method} auto"] == summary["T=1"][f"{method} sampled"]
+    assert summary["T=1"]["weaver8/chain"] == pytest.approx(
+        summary["T=1"]["weaver8 sampled"] / summary["T=1"]["chain"])
+
+    with pytest.raises(ValueError, match="--tree-draws sampled: sampled trees exist only"):
+        eval_acceptance.main([
+            "--family", "random", "--dflash", str(trained["root"] / "whole"),
+            "--out", str(tmp_path / "none.json"), "--temperatures", "0",
+            "--tree-draws", "sampled", "--device", "cpu"])
 
 
 def test_eval_acceptance_drafts_at_the_expand_width_asked(trained, tmp_path, monkeypatch):

@@ -2,7 +2,8 @@
 
     python tools/eval_acceptance.py --out artifacts/eval/tiny_trained.json \
         [--target DIR --dflash DIR --weaver PTH|DIR] [--prompts FILE] \
-        [--budgets 8 16 32 64 128] [--temperatures 0 1]
+        [--budgets 8 16 32 64 128] [--temperatures 0 1] \
+        [--tree-draws deterministic sampled]
 
 Target, drafter and Weaver not given come from --family: the committed trained tiny
 family (models/tiny_trained, the default) or the random one (vllm_tfm/tiny/family.py);
@@ -13,7 +14,11 @@ the engine's draft round and verifiers (vllm_tfm/training/acceptance.py: the tar
 every tree node exactly, fp32 transformers; greedy verification at T=0, target-only at
 T>0). The chain is the DFlash block's argmax path (budget = --chain-budget, default the
 drafter's 15 positions). As in the engine, a budget below 15 also shortens the DFlash
-block to `budget` masks.
+block to `budget` masks. At T>0, `--tree-draws sampled` adds rows of trees whose children
+are sampled (Weaver: from its q over the pool; DDTree: from the marginals) verified by
+traversal, the engine's other path for sampled requests; the summary's "auto" entries
+are what the engine's `verify: "auto"` picks at each temperature
+(`options.AUTO_SAMPLED_TREE_MIN_TEMPERATURE`).
 
 Reported per configuration: tau = completion tokens of verification steps / steps
 (bonus included), acceptance by depth (share of steps accepting >= d drafted tokens),
@@ -35,7 +40,8 @@ import torch
 from tqdm import tqdm
 
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver
-from vllm_tfm.options import MAX_EXPAND_WIDTH, TREE_KINDS
+from vllm_tfm.options import (AUTO_SAMPLED_TREE_MIN_TEMPERATURE, MAX_EXPAND_WIDTH,
+                               SAMPLED_TREE_KINDS, TREE_KINDS)
 from vllm_tfm.training import corpus, data
 from vllm_tfm.training.acceptance import Drafters, RunStats, simulate
 from vllm_tfm.training.dflash import DFlashDrafter
@@ -45,6 +51,7 @@ from vllm_tfm.training.target import Target
 REFERENCE_BUDGET = 64
 COLORS = {"chain": "tab:gray", "ddtree": "tab:blue", "weaver": "tab:orange"}
 LABELS = {"ddtree": "DDTree", "weaver": "DFlash-TfM"}
+TREE_DRAWS = ("deterministic", "sampled")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -66,6 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--methods", nargs="+", default=list(TREE_KINDS), choices=TREE_KINDS,
                         help="tree kinds to evaluate")
+    parser.add_argument("--tree-draws", nargs="+", default=list(TREE_DRAWS), choices=TREE_DRAWS,
+                        help="at T>0, deterministic trees verified target-only and/or trees "
+                        "with sampled children verified by traversal (DDTree, Weaver)")
     parser.add_argument("--expand-width", type=int,
                         help="Weaver's nodes expanded per call (default: the engine's, "
                         "ceil(budget / 16)): fewer, wider calls draft faster")
@@ -118,18 +128,34 @@ def summarize(runs: list[RunStats], depth: int) -> dict:
     }
 
 
+def auto_draws_sampled(method: str, temperature: float) -> bool:
+    """Whether the engine's `verify: "auto"` gives a request at `temperature` a tree of
+    kind `method` with sampled children (verified by traversal)."""
+    return (temperature > 0 and method in SAMPLED_TREE_KINDS
+            and temperature >= AUTO_SAMPLED_TREE_MIN_TEMPERATURE[method])
+
+
 def _ratios(rows: list[dict], budget: int) -> dict:
-    """tau of chain, DDTree(budget), Weaver(budget) per temperature and the Weaver's gains."""
+    """tau per temperature of the chain and of DDTree(budget) and Weaver(budget) with
+    deterministic trees, with sampled ones (T>0) and as `verify: "auto"` picks, and the
+    Weaver's gains under "auto"."""
     out = {}
     for temperature in sorted({row["temperature"] for row in rows}):
         taus = {
-            (row["method"], row["budget"]): row["tau"]
+            (row["method"], row["budget"], row["trees"]): row["tau"]
             for row in rows if row["temperature"] == temperature
         }
-        chain = next((tau for (method, _), tau in taus.items() if method == "chain"), None)
-        entry = {"chain": chain, f"ddtree{budget}": taus.get(("ddtree", budget)),
-                 f"weaver{budget}": taus.get(("weaver", budget))}
-        weaver, ddtree = entry[f"weaver{budget}"], entry[f"ddtree{budget}"]
+        chain = next((tau for (method, *_), tau in taus.items() if method == "chain"), None)
+        entry, auto = {"chain": chain}, {}
+        for method in SAMPLED_TREE_KINDS:
+            name = f"{method}{budget}"
+            entry[name] = taus.get((method, budget, "deterministic"))
+            auto[method] = entry[name]
+            if temperature > 0:
+                entry[f"{name} sampled"] = taus.get((method, budget, "sampled"))
+                trees = "sampled" if auto_draws_sampled(method, temperature) else "deterministic"
+                auto[method] = entry[f"{name} auto"] = taus.get((method, budget, trees))
+        weaver, ddtree = auto["weaver"], auto["ddtree"]
         if weaver is not None and chain:
             entry[f"weaver{budget}/chain"] = weaver / chain
         if weaver is not None and ddtree:
@@ -150,21 +176,25 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
                              squeeze=False)
     for (left, right), temperature in zip(axes, temperatures):
         here = [row for row in rows if row["temperature"] == temperature]
-        for method in TREE_KINDS:
-            mine = sorted((r for r in here if r["method"] == method), key=lambda r: r["budget"])
+        for method, trees in [(m, t) for m in TREE_KINDS for t in TREE_DRAWS]:
+            mine = sorted((r for r in here if r["method"] == method and r["trees"] == trees),
+                          key=lambda r: r["budget"])
             if not mine:
                 continue
+            sampled = " sampled" if trees == "sampled" else ""
+            style = ":" if sampled else "-"
             if method == "chain":
                 left.axhline(mine[0]["tau"], color=COLORS[method], linestyle="--",
                              label=f"chain ({mine[0]['budget']} nodes)")
             else:
                 left.plot([r["budget"] for r in mine], [r["tau"] for r in mine], marker="o",
-                          color=COLORS[method], label=LABELS[method])
+                          color=COLORS[method], linestyle=style,
+                          label=LABELS[method] + sampled)
             shown = [r for r in mine if method == "chain" or r["budget"] == reference]
             for r in shown:
                 depths = range(1, len(r["accept_ge_depth"]) + 1)
                 right.plot(depths, r["accept_ge_depth"], marker=".", color=COLORS[method],
-                           label=f"{method} B={r['budget']}")
+                           linestyle=style, label=f"{method}{sampled} B={r['budget']}")
         left.set_xscale("log", base=2)
         left.set(title=f"T={temperature:g}: mean accepted length", xlabel="budget B",
                  ylabel="tau (tokens / step)")
@@ -201,8 +231,14 @@ def main(argv: list[str] | None = None) -> dict:
     drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width)
     prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))
     chain_budget = args.chain_budget or drafter.draft_depth
-    configs = [(t, m, b) for t in args.temperatures for m in methods
+    configs = [(t, m, b, trees) for t in args.temperatures for m in methods
+               for trees in args.tree_draws
+               if trees == "deterministic" or (t > 0 and m in SAMPLED_TREE_KINDS)
                for b in ([chain_budget] if m == "chain" else sorted(set(args.budgets)))]
+    if not configs:
+        raise ValueError(f"--tree-draws {' '.join(args.tree_draws)}: sampled trees exist "
+                         "only at --temperatures above 0 and for --methods ddtree / weaver; "
+                         "nothing to evaluate")
     reference = REFERENCE_BUDGET if REFERENCE_BUDGET in args.budgets else max(args.budgets)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -220,19 +256,24 @@ def main(argv: list[str] | None = None) -> dict:
 
     rows = []
     bar = tqdm(total=len(configs) * len(prompts), desc="eval acceptance")
-    for temperature, method, budget in configs:
+    for temperature, method, budget, trees in configs:
         started = time.perf_counter()
         runs = []
         for index, prompt in enumerate(prompts):
             runs.append(simulate(drafters, method, budget, prompt, temperature,
-                                 args.max_new_tokens, seed=args.seed + index))
+                                 args.max_new_tokens, seed=args.seed + index,
+                                 sampled_trees=trees == "sampled"))
             bar.update(1)
+        verifier = ("greedy" if temperature == 0 else
+                    "traversal" if trees == "sampled" else "target-only")
         row = {"temperature": temperature, "method": method, "budget": budget,
+               "trees": trees, "verifier": verifier,
                **summarize(runs, drafters.depth(method, budget)),
                "seconds": time.perf_counter() - started}
         rows.append(row)
-        tqdm.write(f"T={temperature:g} {method:6s} B={budget:<4d} tau={row['tau']:.3f} "
-                   f"steps={row['steps']} pool mass={row['retained_mass']['mean']:.4f}")
+        tqdm.write(f"T={temperature:g} {method:6s} B={budget:<4d} {trees:13s} "
+                   f"tau={row['tau']:.3f} steps={row['steps']} "
+                   f"pool mass={row['retained_mass']['mean']:.4f}")
         report = write_report(rows)  # after every configuration: a cut-short run keeps them
     bar.close()
     print(json.dumps(report["summary"], indent=2))
