@@ -27,6 +27,7 @@ from vllm_tfm.tiny.engine_runs import (  # noqa: E402
     TIE_MARGIN,
     compare_greedy,
     cpu_engine,
+    dflash_speculative_config,
     engine_greedy,
     free_port,
     greedy_regrets,
@@ -324,6 +325,50 @@ def test_sampling_with_penalties_matches_the_target_distribution(trained):
     assert _chi_square_p_value(reference, speculative) > 1e-3
 
 
+def gdn_state_layout(family, speculative_config) -> dict:
+    """An engine's GDN KV specs, attention block size (tokens) and the GDN state shapes its
+    model class gives the hybrid page sizing (``get_mamba_state_shape_from_config``)."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    llm = make_llm(family, speculative_config)
+    config = llm.llm_engine.vllm_config
+    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    model_class, _ = ModelRegistry.resolve_model_cls(config.model_config.architecture,
+                                                     model_config=config.model_config)
+    layout = {
+        "specs": [group.kv_cache_spec for group in runner.kv_cache_config.kv_cache_groups
+                  if isinstance(group.kv_cache_spec, MambaSpec)],
+        "block_size": config.cache_config.block_size,
+        "config_shapes": model_class.get_mamba_state_shape_from_config(config),
+    }
+    del llm, runner
+    gc.collect()
+    return layout
+
+
+def test_gdn_states_hold_no_draft_windows(family):
+    """dflash_tfm's GDN layers keep what an engine without speculation keeps: one state
+    slot a request and a conv state of W - 1 columns, in the layers and in the shapes the
+    hybrid page is sized from; vLLM's dflash keeps a slot and a conv column per draft."""
+    plain = gdn_state_layout(family, None)
+    tfm = gdn_state_layout(family, tfm_config(family))
+    chain = gdn_state_layout(family, dflash_speculative_config(family.dflash))
+    assert plain["specs"] and tfm["specs"] and chain["specs"]
+    assert {spec.num_speculative_blocks for spec in tfm["specs"]} == {0}
+    assert {(spec.shapes, spec.page_size_bytes) for spec in tfm["specs"]} == {
+        (spec.shapes, spec.page_size_bytes) for spec in plain["specs"]}
+    assert tfm["config_shapes"] == plain["config_shapes"] == plain["specs"][0].shapes
+    assert tfm["block_size"] == plain["block_size"]
+
+    assert {spec.num_speculative_blocks for spec in chain["specs"]} == {15}
+    plain_conv, plain_ssm = plain["config_shapes"]
+    chain_conv, chain_ssm = chain["config_shapes"]
+    assert chain_ssm == plain_ssm
+    assert sorted(c - p for c, p in zip(chain_conv, plain_conv)) == [0, 15]
+    assert chain["specs"][0].shapes == chain["config_shapes"]
+
+
 def test_request_behaviour_is_unchanged(family, baseline):
     from vllm import SamplingParams
 
@@ -458,9 +503,10 @@ def _marked_attributes() -> set[tuple[str, str]]:
     import inspect
     import sys
 
-    from vllm_tfm.vllm_glue.patches import _MARK
+    from vllm_tfm.vllm_glue.patches import _MARK, marked_function
 
     def marked(value) -> bool:  # our wrappers are plain functions; never probe others
+        value = marked_function(value)
         return inspect.isfunction(value) and _MARK in vars(value)
 
     found = set()

