@@ -134,10 +134,26 @@ def test_batch_tree_step_rows_prefixes_and_positions():
     assert torch.equal(positions[:13], linear)
 
 
-def test_a_batch_without_drafts_has_no_tree_step():
-    store = SlotTrees.allocate(2, BUDGET + 1, BUDGET, torch.device("cpu"))
-    batch = SimpleNamespace(num_draft_tokens=0, num_draft_tokens_per_req=np.array([0]))
+@pytest.mark.parametrize("num_draft_tokens_per_req", [None, np.array([0, 0])])
+def test_a_batch_without_drafts_has_a_tree_step_of_roots_only_when_asked(
+        num_draft_tokens_per_req):
+    """V2 runs decodes without drafts as GDN spec rows: TreeModelState asks for a step of
+    one-node trees then (each row its request's root, at its linear position)."""
+    store = SlotTrees.allocate(3, BUDGET + 1, BUDGET, torch.device("cpu"))
+    store.store(torch.tensor([2, 0]), _trees(3, 2))  # trees drafted before: not scored
+    scheduled = np.array([1, 1])
+    positions = torch.tensor([9, 4])
+    batch = SimpleNamespace(
+        num_reqs=2, num_draft_tokens=0, num_draft_tokens_per_req=num_draft_tokens_per_req,
+        idx_mapping=torch.tensor([2, 0]), num_scheduled_tokens=scheduled,
+        seq_lens=torch.tensor([10, 5], dtype=torch.int32),
+        query_start_loc_np=np.concatenate([[0], np.cumsum(scheduled)]),
+        req_ids=["a", "b"], positions=positions)
     assert batch_tree_step(batch, store, conv_width=4) is None
+    step = batch_tree_step(batch, store, conv_width=4, draftless=True)
+    assert step.token_rows.tolist() == [[0], [1]] and step.num_nodes_host.tolist() == [1, 1]
+    assert step.prefix_lens.tolist() == [9, 4] and step.meta.parents.tolist() == [[-1], [-1]]
+    assert not step.has_trees and step.tree_nodes is None
 
 
 def test_node_logits_take_each_requests_last_rows():

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from vllm.config.compilation import CUDAGraphMode
 from vllm.config.model import PROCESSED_LOGPROBS_MODES
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
@@ -106,10 +107,21 @@ class TreeModelState(MambaHybridModelState):
                 engine.step = step
                 engine.slot.step = step
                 self._positions = input_batch.positions
-        return super().prepare_attn(
+        attn_metadata = super().prepare_attn(
             input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
             kv_cache_config, for_capture=for_capture, ubatch_idx=ubatch_idx,
             model_specific_attn_metadata=model_specific_attn_metadata)
+        if engine.slot.step is None and has_gdn_spec_rows(attn_metadata):
+            # V2 runs decodes without drafts as GDN spec rows (only that path applies the
+            # last step's accepted offset), and our GDN states keep no draft columns for
+            # vLLM's chain kernels: a step of one-node trees, each accepted at its root.
+            step = batch_tree_step(input_batch, engine.trees, self.conv_width, draftless=True)
+            step.accepted_leaf = torch.zeros(input_batch.num_reqs, dtype=torch.int64,
+                                             device=self.device)
+            engine.step = step
+            engine.slot.step = step
+            self._positions = input_batch.positions
+        return attn_metadata
 
     def _capture_step(self, input_batch):
         """The step a FULL capture runs with: uniform decodes of 1 + k nodes each, k one
@@ -171,6 +183,13 @@ class TreeModelState(MambaHybridModelState):
         commit_kv(self.context, self._attention_groups,
                   lambda gid: self._input_block_tables[gid][:num_reqs], step)
         commit_gdn_records(step.gdn_records.values(), step.accepted_leaf)
+
+
+def has_gdn_spec_rows(attn_metadata: dict) -> bool:
+    """Some GDN layer's metadata of this forward runs rows on vLLM's speculative path."""
+    return any(isinstance(metadata, GDNAttentionMetadata)
+               and metadata.spec_sequence_masks is not None
+               for metadata in attn_metadata.values())
 
 
 def graphed_steps_by_length(budgets: tuple[int, ...], conv_width: int,

@@ -135,19 +135,25 @@ class SlotTrees:
         return parents
 
 
-def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int) -> TreeStep | None:
-    """The tree step of a V2 batch (None: no request carries drafts).
+def batch_tree_step(input_batch, trees: SlotTrees, conv_width: int,
+                    draftless: bool = False) -> TreeStep | None:
+    """The tree step of a V2 batch (None: no request carries drafts, unless ``draftless``
+    asks for a step of one-node trees all the same).
 
     A request with d scheduled drafts is scored as the first 1 + d nodes of its slot's
     tree (node order is topological, so any prefix is a tree); one with none (a prompt
-    chunk) as a tree of one node, the last scheduled token. Prefix lengths come from the
-    batch's device sequence lengths (exact under async scheduling too); no sync.
+    chunk, a decode without drafts) as a tree of one node, the last scheduled token.
+    Prefix lengths come from the batch's device sequence lengths (exact under async
+    scheduling too); no sync.
     """
     drafts = input_batch.num_draft_tokens_per_req
-    if drafts is None or input_batch.num_draft_tokens == 0:
-        return None
     num_reqs = input_batch.num_reqs
-    num_drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
+    if drafts is None or input_batch.num_draft_tokens == 0:
+        if not draftless:
+            return None
+        num_drafts = np.zeros(num_reqs, dtype=np.int64)
+    else:
+        num_drafts = np.asarray(drafts[:num_reqs], dtype=np.int64)
     num_nodes = num_drafts + 1
     parents = trees.kernel_parents(input_batch.idx_mapping[:num_reqs])[:, : int(num_nodes.max())]
     return build_tree_step(
