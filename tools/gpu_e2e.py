@@ -56,7 +56,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, RUNNERS, run_all, set_harness_env
+from vllm_tfm.tiny.gpu_checks import (
+    CUDA_GRAPH_SETTINGS,
+    ENGINE_KWARGS,
+    RUNNERS,
+    run_all,
+    set_harness_env,
+)
 from vllm_tfm.tiny.gpu_models import build_models
 
 
@@ -86,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--tfm-sync-scheduling", action="store_true",
                      help="dflash_tfm engines turn async scheduling off (on model runner "
                           "V2 it is on by default, as for the baselines)")
+    run.add_argument("--max-model-len", type=int, default=ENGINE_KWARGS["max_model_len"],
+                     help="every engine's max_model_len (below prompt + max tokens: requests "
+                          "end there, their last steps with fewer drafts, then none)")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
@@ -94,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     set_harness_env()
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
-                   args.configs, args.cudagraphs, args.runner, args.tfm_sync_scheduling)
+                   args.configs, args.cudagraphs, args.runner, args.tfm_sync_scheduling,
+                   args.max_model_len)
 
 
 if __name__ == "__main__":

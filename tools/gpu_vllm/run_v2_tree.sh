@@ -4,9 +4,9 @@
 #
 #   run(command="bash tools/gpu_vllm/run_v2_tree.sh [STAGE...]", carry=[".gpu-vllm-0.33.0"])
 #
-# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default, 5-budget-by-batch, 6-sync (default:
-# the first five, longer than one call should be: stage 3 alone is ~3-4 minutes, stages
-# 1 + 2 ~4-5, stage 4 ~3, stage 5 ~3-4, stage 6 ~3).
+# STAGE: 1-eager, 2-full-graphs, 3-sampling, 4-default, 5-budget-by-batch, 6-sync,
+# 7-length-limit (default: the first five, longer than one call should be: stage 3 alone is
+# ~3-4 minutes, stages 1 + 2 ~4-5, stage 4 ~3, stage 5 ~3-4, stage 6 ~3, stage 7 ~2).
 #
 # Stage 1: eager V2 (enforce_eager), no speculation + dflash_tfm weaver B=7: greedy equal
 #          to no speculation up to bf16 ties, a sampled run (T=1, seeded) completes, every
@@ -33,6 +33,12 @@
 #          on by default, so stages 1-5 run with it; vllm_glue/config.py): greedy equal to no
 #          speculation up to bf16 ties, the sampled run complete, tree steps replaying FULL
 #          graphs.
+# Stage 7: stage 2's weaver check with max_model_len 40 (prompts of 9-17 tokens, 64 tokens
+#          asked): every request ends at max_model_len, vLLM cuts its drafts as it nears it
+#          and schedules its last step with none; the last request runs those steps alone,
+#          batches of decodes without drafts that V2 still runs as GDN spec rows (one-node
+#          tree steps: "V2 steps of decodes without drafts", counted). Greedy equal to no
+#          speculation at the same max_model_len up to bf16 ties.
 # Each stage writes $OUT/<stage>/ (gpu_e2e.{md,json} or v2_sampling.{md,json}) and
 # $OUT/<stage>.log; $OUT/cache_*.tar.xz hold what this machine compiled (merge them into the
 # payload: device_caches.sh); a summary is printed last. Setup ~30 s, each engine ~30-60 s.
@@ -72,6 +78,8 @@ stage 5-budget-by-batch 420 python3 tools/gpu_vllm/v2_dynsd_check.py --models "$
     --out "$OUT/5-budget-by-batch" --max-tokens 32
 stage 6-sync 280 e2e --cudagraphs full-decode --configs "weaver B=7" --tfm-sync-scheduling \
     --deadline-s 200
+stage 7-length-limit 280 e2e --cudagraphs full-decode --configs "weaver B=7" \
+    --max-model-len 40 --max-tokens 64 --deadline-s 200
 
 bash tools/gpu_vllm/device_caches.sh save "$OUT/cache"   # merge them here: device_caches.sh
 echo; echo "== summary"

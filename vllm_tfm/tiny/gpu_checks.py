@@ -24,6 +24,7 @@ from vllm_tfm.tiny.launch_counts import (
     GDN_VERIFY_KERNELS,
     LAUNCHES,
     count_graph_dispatch,
+    count_draftless_steps,
     count_graphed_commits,
     count_mixed_gdn_calls,
     count_project_kernel_launches,
@@ -164,7 +165,8 @@ def count_v2_graph_dispatch(counts=LAUNCHES, key=_dispatch_key) -> None:
 
 
 def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: int,
-                   cudagraphs: str, runner: str, use, tfm_sync_scheduling: bool = False):
+                   cudagraphs: str, runner: str, use, tfm_sync_scheduling: bool = False,
+                   max_model_len: int = ENGINE_KWARGS["max_model_len"]):
     """``use(llm)`` on an `LLM` of the models of `build` (ENGINE_KWARGS, the --cudagraphs
     settings, model runner ``runner``; ``tfm_sync_scheduling``: a dflash_tfm engine turns
     async scheduling off, the others keep vLLM's default, on for V2), freed
@@ -177,7 +179,7 @@ def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: 
     started = time.perf_counter()
     tfm = (speculative_config or {}).get("method") == "dflash_tfm"
     llm = LLM(model=str(models / "target"), speculative_config=speculative_config,
-              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs,
+              **{**ENGINE_KWARGS, "max_num_seqs": max_num_seqs, "max_model_len": max_model_len,
                  **CUDA_GRAPH_SETTINGS[cudagraphs],
                  **({"async_scheduling": False} if tfm and tfm_sync_scheduling else {})})
     start_s = time.perf_counter() - started
@@ -195,7 +197,8 @@ def on_tiny_engine(models: Path, speculative_config: dict | None, max_num_seqs: 
 def run_config(models: Path, speculative_config: dict | None, prompts: list[str],
                max_tokens: list[int], with_margins: bool, max_num_seqs: int,
                cudagraphs: str = "off", runner: str = "v1",
-               tfm_sync_scheduling: bool = False) -> dict:
+               tfm_sync_scheduling: bool = False,
+               max_model_len: int = ENGINE_KWARGS["max_model_len"]) -> dict:
     """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
     runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
     from vllm import SamplingParams
@@ -218,7 +221,7 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
         return result
 
     result, start_s = on_tiny_engine(models, speculative_config, max_num_seqs, cudagraphs,
-                                     runner, runs, tfm_sync_scheduling)
+                                     runner, runs, tfm_sync_scheduling, max_model_len)
     return {"start_s": start_s, **result}
 
 
@@ -281,7 +284,8 @@ def tree_kernels_ran_eagerly(launches: dict, models: Path) -> bool:
 
 def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
             config_words: list[str] | None, cudagraphs: str = "off",
-            runner: str = "v1", tfm_sync_scheduling: bool = False) -> int:
+            runner: str = "v1", tfm_sync_scheduling: bool = False,
+            max_model_len: int = ENGINE_KWARGS["max_model_len"]) -> int:
     import torch
     import triton
 
@@ -294,6 +298,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
     count_graph_dispatch()
     count_v2_graph_dispatch()
     count_graphed_commits()
+    if runner == "v2":
+        count_draftless_steps()
     prompts = list(PROMPTS)
     if staggered:
         # 4 running at a time, lengths max_tokens, max_tokens - 5, ...: requests
@@ -306,6 +312,10 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         max_num_seqs = len(prompts)
         lengths = [max_tokens] * len(prompts)
         batching = f"{len(prompts)} prompts in one batch, {max_tokens} new tokens each"
+    if max_model_len != ENGINE_KWARGS["max_model_len"]:
+        # Requests that reach it end there; vLLM schedules fewer drafts as they near it,
+        # the last step of each none.
+        batching += f", max_model_len {max_model_len}"
     header = (f"dflash_tfm end to end on {torch.cuda.get_device_name(0)}: models {models}, "
               f"vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, triton {triton.__version__}; {batching}; "
@@ -331,7 +341,8 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
         try:
             result = run_config(models, config, prompts, lengths, with_margins=config is None,
                                 max_num_seqs=max_num_seqs, cudagraphs=cudagraphs,
-                                runner=runner, tfm_sync_scheduling=tfm_sync_scheduling)
+                                runner=runner, tfm_sync_scheduling=tfm_sync_scheduling,
+                                max_model_len=max_model_len)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})

@@ -1,7 +1,8 @@
 """Counters for the GPU check (tools/gpu_e2e.py), patched onto vLLM and Triton in this
 process: launches of the project's Triton kernels, GDN calls that mix prompt and tree rows,
-target forwards by the CUDA-graph mode vLLM dispatched (steps with trees and others), and
-the commits of FULL-graph steps (those replaying a commit graph among them).
+target forwards by the CUDA-graph mode vLLM dispatched (steps with trees and others), the
+commits of FULL-graph steps (those replaying a commit graph among them), and model runner
+V2's steps of one-node trees for decodes without drafts.
 All counts accumulate in `LAUNCHES`.
 """
 
@@ -28,6 +29,7 @@ LAUNCHES: collections.Counter = collections.Counter()
 MIXED_GDN = "GDN calls with prompt and tree rows"
 GRAPHED_COMMITS = "commits of FULL-graph steps"
 COMMIT_GRAPH_REPLAYS = "commits of FULL-graph steps replaying a commit graph"
+DRAFTLESS_STEPS = "V2 steps of decodes without drafts (one-node trees)"
 
 
 def count_project_kernel_launches() -> None:
@@ -76,6 +78,22 @@ def count_graphed_commits() -> None:
     GraphedTreeSteps.commit = commit
 
 
+def count_draftless_steps() -> None:
+    """Count V2's tree steps made for batches whose decodes carry no drafts (vLLM's kernel
+    warm-up runs some; in serving, requests whose drafts were all cut, e.g. at
+    max_model_len)."""
+    from vllm_tfm.vllm_glue.v2 import model_state
+
+    original = model_state.batch_tree_step
+
+    def batch_tree_step(*args, draftless: bool = False, **kwargs):
+        if draftless:
+            LAUNCHES[DRAFTLESS_STEPS] += 1
+        return original(*args, draftless=draftless, **kwargs)
+
+    model_state.batch_tree_step = batch_tree_step
+
+
 def count_graph_dispatch() -> None:
     """Count target forwards by CUDA-graph mode, split into steps with and without trees."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -97,7 +115,7 @@ def count_graph_dispatch() -> None:
 def graph_summary(launches: dict) -> str:
     return ", ".join(f"{name} {count}" for name, count in sorted(launches.items())
                      if " steps, graph mode " in name
-                     or name in (GRAPHED_COMMITS, COMMIT_GRAPH_REPLAYS)) or "-"
+                     or name in (GRAPHED_COMMITS, COMMIT_GRAPH_REPLAYS, DRAFTLESS_STEPS)) or "-"
 
 
 def missing_kernels(launches: dict, tree: str, staggered: bool) -> list[str]:
