@@ -8,7 +8,8 @@ A MambaHybridModelState (the state V2 picks for hybrids) whose hooks run the tre
   copies the trees into the buffers the captured graph reads (``tree_graphs``); during a
   FULL capture of uniform decodes it activates the fixed-buffer capture step instead, so
   the graph holds the tree kernels (one capture step per query length 1 + k of the
-  batch-size schedule, ``graphed_steps_by_length``);
+  batch-size schedule, ``graphed_steps_by_length``); a batch whose decodes carry no
+  drafts, which V2 still runs as GDN spec rows, gets a step of one-node trees;
 - ``custom_sampler``: :class:`TreeRejectionSampler` replaces the chain rejection sampler
   (V2's sampling processing per node, tree verification, logprobs along the path); the
   sampler's per-slot host temperatures go to the engine record, where the speculator reads
