@@ -571,8 +571,8 @@ def test_bad_inputs_name_the_field():
 
 def test_sampled_tree_with_fixed_widths_is_the_same_tree_without_host_reads(monkeypatch):
     """The graph-ready build: every depth's Weaver call at its largest width, no value read
-    on the host, the tree and its proposals bit-identical to the build that reads the
-    widths back."""
+    on the host, the same tree as the build that reads the widths back (tokens and shape
+    bit-identical, probabilities up to the GEMMs' rounding)."""
     from host_reads import no_host_reads, run_as_on_cuda
 
     cfg = WeaverConfig(d_model=32, d_embed=24, d_rank=16, num_layers=1, num_heads=2, mlp_dim=20,
@@ -597,7 +597,14 @@ def test_sampled_tree_with_fixed_widths_is_the_same_tree_without_host_reads(monk
         fixed = build(True)
     for f in fields(DraftTree):
         x = getattr(read_back, f.name)
-        if isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor):
+            continue
+        if x.is_floating_point():
+            # The wider calls run the Weaver's GEMMs over more rows, and some CPUs' BLAS
+            # blocks by row count (an AMD EPYC: 2e-6 apart); -inf slots must match.
+            torch.testing.assert_close(getattr(fixed, f.name), x, rtol=0, atol=1e-5,
+                                       msg=lambda m, name=f.name: f"{name}: {m}")
+        else:
             assert torch.equal(x, getattr(fixed, f.name)), f.name
     assert sampled_call_widths(12, 5, 8) == [1, 8, 10, 9, 8]
     assert sampled_call_widths(2, 4, 3) == [1, 1, 0, 0]
