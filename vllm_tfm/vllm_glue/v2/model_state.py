@@ -105,9 +105,7 @@ class TreeModelState(MambaHybridModelState):
                 apply_tree_positions(input_batch.positions, step)
                 if cudagraph_mode == CUDAGraphMode.FULL:
                     self._bind_graph(step, input_batch.num_reqs_after_padding)
-                engine.step = step
-                engine.slot.step = step
-                self._positions = input_batch.positions
+                self._run_step(step, input_batch.positions)
         attn_metadata = super().prepare_attn(
             input_batch, cudagraph_mode, block_tables, slot_mappings, attn_groups,
             kv_cache_config, for_capture=for_capture, ubatch_idx=ubatch_idx,
@@ -119,10 +117,15 @@ class TreeModelState(MambaHybridModelState):
             step = batch_tree_step(input_batch, engine.trees, self.conv_width, draftless=True)
             step.accepted_leaf = torch.zeros(input_batch.num_reqs, dtype=torch.int64,
                                              device=self.device)
-            engine.step = step
-            engine.slot.step = step
-            self._positions = input_batch.positions
+            self._run_step(step, input_batch.positions)
         return attn_metadata
+
+    def _run_step(self, step, positions: torch.Tensor) -> None:
+        """Make ``step`` this forward's tree step (the layers read it from the slot) and
+        the one ``postprocess_state`` commits."""
+        self.engine.step = step
+        self.engine.slot.step = step
+        self._positions = positions
 
     def _capture_step(self, input_batch):
         """The step a FULL capture runs with: uniform decodes of 1 + k nodes each, k one
