@@ -197,6 +197,29 @@ def test_a_capture_never_reuses_state_slots_made_before_it(monkeypatch):
     assert step.state_slots(table, 2) is captured
 
 
+def test_a_table_a_graph_captured_outlives_the_cache(monkeypatch):
+    """A captured commit reads its layer table's address at every replay: eager steps over
+    fresh tensors that make more tables than the cache holds must not free it (on the H100
+    they did, and the replayed commit read garbage offsets); a capture may not make one."""
+    monkeypatch.setattr(utils, "_DEVICE_TABLES", OrderedDict())
+    monkeypatch.setattr(utils, "_GRAPH_TABLES", {})
+    monkeypatch.setattr(utils, "_MAX_DEVICE_TABLES", 2)
+    cpu = torch.device("cpu")
+    captured_rows = [[0, 0], [96, 40]]
+    eager = utils.device_table(captured_rows, cpu)  # the commit before the capture
+    monkeypatch.setattr(utils, "capturing_graph", lambda device: True)
+    graph_table = utils.device_table(captured_rows, cpu)
+    assert graph_table is eager
+    with pytest.raises(RuntimeError, match="capture does not allow"):
+        utils.device_table([[0, 0], [1, 1]], cpu)
+    monkeypatch.setattr(utils, "capturing_graph", lambda device: False)
+    for offset in range(1, 6):  # eager steps, each over tensors at new offsets
+        assert utils.device_table([[0, 0], [offset, offset]], cpu).tolist() == [[0, 0], [offset, offset]]
+    assert len(utils._DEVICE_TABLES) == 2
+    assert utils.device_table(captured_rows, cpu) is graph_table
+    assert graph_table.tolist() == captured_rows
+
+
 def test_a_steps_gdn_layers_commit_in_one_launch_as_each_alone(gen, monkeypatch):
     """commit_gdn_records on the Triton path (interpreted): a step's GDN layers, their
     caches views of one buffer (vLLM shares cache tensors across layers) or apart and

@@ -99,9 +99,13 @@ def output_buffer(
 # their layers' addresses from one). Engine caches never move and a CUDA graph's buffers are
 # fixed, so after the first step a table is found here, and a graph capture, which may not
 # copy from the host, finds it ready. Content-keyed: a hit is right whatever tensors now
-# live at those addresses.
+# live at those addresses. Eager steps over fresh tensors make new tables, so the cache
+# keeps the most recently used; a table a graph captured moves to _GRAPH_TABLES for good,
+# since every replay reads its address (evicted, its memory went to other tensors and the
+# replayed commit read garbage offsets: an illegal memory access on the H100, 2026-12-06).
 _DEVICE_TABLES: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 _MAX_DEVICE_TABLES = 32
+_GRAPH_TABLES: dict[tuple, torch.Tensor] = {}
 
 
 def capturing_graph(device: torch.device) -> bool:
@@ -111,16 +115,23 @@ def capturing_graph(device: torch.device) -> bool:
 
 def device_table(rows: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """``rows`` as an int64 tensor on ``device``, from the cache when made before (least
-    recently used tables leave first). A new table is a host-to-device copy, which a CUDA
-    graph capture does not allow: run the op once before capturing it."""
+    recently used tables leave first, except those a CUDA graph captured, which stay while
+    the process lives). A new table is a host-to-device copy, which a CUDA graph capture
+    does not allow: run the op once before capturing it."""
     key = (torch.device(device), tuple(tuple(row) for row in rows))
+    table = _GRAPH_TABLES.get(key)
+    if table is not None:
+        return table
     table = _DEVICE_TABLES.get(key)
+    if capturing_graph(key[0]):
+        if table is None:
+            raise RuntimeError("a new device table is a host-to-device copy, which CUDA graph "
+                               "capture does not allow: run the op once before capturing it")
+        _GRAPH_TABLES[key] = _DEVICE_TABLES.pop(key)
+        return table
     if table is not None:
         _DEVICE_TABLES.move_to_end(key)
         return table
-    if capturing_graph(key[0]):
-        raise RuntimeError("a new device table is a host-to-device copy, which CUDA graph "
-                           "capture does not allow: run the op once before capturing it")
     table = torch.tensor(key[1], dtype=torch.int64)
     if key[0].type == "cuda":  # pinned: the copy does not wait for the stream's queued work
         table = table.pin_memory().to(device, non_blocking=True)
