@@ -168,6 +168,15 @@ def test_one_and_two_processes_and_accumulation_train_the_same(family, tmp_path)
                   "dflash, accumulation")
 
 
+def test_every_recipe_generates_features_on_pytorch_gdn_on_cuda_too(tmp_path):
+    """The recipe's stages share one process and its target stage hides fla, so features
+    from a CUDA target must not ask for fla (the H100 run of the tiny recipe failed so)."""
+    for corpus_dir in (None, tmp_path / "corpus"):
+        args = train_family.recipe(tmp_path / "family", tmp_path / "work", tmp_path / "base",
+                                   "cuda", False, corpus_dir)["features"]
+        assert args[args.index("--fla") + 1] == "off"
+
+
 def test_training_refuses_bad_batches_and_foreign_layers(family, reference, tmp_path):
     out = reference[0]
     common = ["--features", str(out), "--out", str(tmp_path / "dflash"), "--device", "cpu"]

@@ -150,7 +150,7 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool,
         return str(small if smoke else sharp_full if sharp else tiny)
 
     text = ["--text", f"{corpus.SOURCE_PREFIX}{corpus_dir}", "--lr", "2e-3"] if sharp else []
-    prompts = ["--prompts", f"{corpus.SOURCE_PREFIX}{corpus_dir}", "--fla", "off"] if sharp else []
+    prompts = ["--prompts", f"{corpus.SOURCE_PREFIX}{corpus_dir}"] if sharp else []
     features = str(work / "features")
     return {
         "target": [
@@ -162,7 +162,8 @@ def recipe(out: Path, work: Path, base: Path, device: str, smoke: bool,
         ],
         "features": [
             "--target", str(out / "target"), "--dflash", str(base / "dflash"), *prompts,
-            "--out", features, "--num-seqs", size(8192, 8192, 8),
+            # Stages share one process, whose target stage hid fla (and the GPU image has none).
+            "--fla", "off", "--out", features, "--num-seqs", size(8192, 8192, 8),
             "--heldout-seqs", size(64, 64, 4), "--prompt-len", size(32, 32, 8),
             "--new-tokens", size(96, 96, 20), "--shard-seqs", size(1024, 1024, 4),
             "--batch", size(1024, 1024, 4), "--device", device,
