@@ -11,7 +11,9 @@
 #   features path: target, features, drafter and Weaver from the random tiny family built on
 #   the CPU machine (`python tools/make_tiny_models.py build` writes artifacts/tiny_family;
 #   its tokenizer is the committed target's). Old path on an H200 (2026-11-29): target 89 s,
-#   continuations ~60 s, drafter 148 s, Weaver 56 s. Family: artifacts/tiny_retrained.
+#   continuations ~60 s, drafter 148 s, Weaver 56 s. This path on an H100 (2026-12-06,
+#   SMOKE=1): smoke 24 s, target 72 s, features 27 s, drafter 143 s, Weaver 54 s, 345 s in all.
+#   Family: artifacts/tiny_retrained.
 # RECIPE=sharp: the sharp family (artifacts/sharp_corpus from tools/build_corpus.py). H200
 #   (2026-12-02): smoke 92 s, target 280 s, features 44 s, drafter 111 s, Weaver ~50 s: with
 #   the smoke it does not fit one call, so SMOKE=0 skips it once it has passed on that
