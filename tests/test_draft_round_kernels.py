@@ -163,6 +163,40 @@ def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
     assert torch.isneginf(got[node < 0]).all()
 
 
+@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3), (3, 4, 130, 8, 5)])
+def test_a_sampled_push_scores_ranks_and_takes_the_drawn_tokens(R, w, P, children, D, gen):
+    """With ``drawn``, entry i of a node scores the node's score + its row's i-th largest
+    log q whatever token was drawn there, and holds the i-th drawn token and its log q;
+    both backends agree bit for bit."""
+    rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()
+    rows[torch.rand(R, w, P, generator=gen) < 0.2] = float("-inf")
+    drawn = torch.argsort(torch.rand(R, w, P, generator=gen), dim=-1)[..., :children]
+    pool_ids = torch.randint(0, 100, (R, D, P), generator=gen)
+    node = torch.randint(-1, 6, (R, w), generator=gen)
+    batch = ExpandBatch(node, torch.zeros_like(node), torch.zeros_like(node),
+                        torch.randint(0, D + 1, (R, w), generator=gen), torch.randn(R, w))
+    start = 2
+    frontier = _frontier(gen, R, start + w * children + 1)
+    results = []
+    for backend in BACKENDS:
+        f = _copy(frontier)
+        push_children(f, start, rows, batch, pool_ids, children, drawn=drawn, backend=backend)
+        results.append(f)
+    _equal_state(*results)
+    span = slice(start, start + w * children)
+    got = Frontier(*(t[:, span].reshape(R, w, children) for t in results[0]))
+    ranked = torch.sort(rows, dim=-1, descending=True).values[..., :children]
+    score = torch.where((node >= 0)[..., None], batch.score[..., None] + ranked, float("-inf"))
+    assert torch.equal(got.score, score)
+    ids = pool_ids[torch.arange(R)[:, None], batch.depth.clamp(max=D - 1)]
+    assert torch.equal(got.token, ids.gather(-1, drawn))
+    assert torch.equal(got.logq, rows.gather(-1, drawn))
+    assert torch.equal(got.depth, (batch.depth + 1)[..., None].expand(-1, -1, children))
+    with pytest.raises(ValueError, match="drawn must be int64"):
+        push_children(_copy(frontier), start, rows, batch, pool_ids, children,
+                      drawn=drawn.int())
+
+
 def test_frontier_ops_reject_bad_arguments(gen):
     frontier, tree = _frontier(gen, 2, 4), _tree(gen, 2, 3)
     with pytest.raises(ValueError, match="count must be an int in"):

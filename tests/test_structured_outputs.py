@@ -204,13 +204,17 @@ def test_chain_takes_the_best_allowed_candidate_and_ends_where_none_is(gen):
         assert tree.tokens[r, 1 : len(want) + 1].tolist() == want
 
 
-def test_sampled_tree_draws_from_the_allowed_restriction(gen):
+@pytest.mark.parametrize("kind", ["ddtree", "weaver"])
+def test_sampled_tree_draws_from_the_allowed_restriction(kind, gen):
     R, D, P, V, budget = 3, 3, 6, 12, 9
     roots, ids, logits = make_pools(gen, R, D, P, V)
-    session = FakeSession(ids, logits, V, gen, ties=False)
     seeds = torch.arange(R, dtype=torch.int64) + 11
-    tree = build_sampled_tree(roots, ids, logits, budget, seeds, session=session,
-                              constraint=RuleConstraint(V))
+    if kind == "weaver":
+        session = FakeSession(ids, logits, V, gen, ties=False)
+        tree = build_weaver_tree(roots, ids, session, budget, seeds=seeds,
+                                 constraint=RuleConstraint(V))
+    else:  # DDTree keeps the marginals' shape: slots the rule empties get zero-mass tokens
+        tree = build_sampled_tree(roots, ids, logits, budget, seeds, constraint=RuleConstraint(V))
     for r in range(R):
         for j in range(1, int(tree.num_nodes[r])):
             if tree.draft_logq[r, j] > NEG_INF:  # a real draw (not a zero-mass slot)

@@ -740,7 +740,7 @@ def test_engine_sampled_trees_with_traversal_are_lossless(tree_kind, kind, gen):
     weighted by those probabilities, follow the target's multi-step law to 1e-10."""
     from vllm_tfm.drafting.draft_round import CandidatePools, draft_trees_per_request
 
-    V, D, P, budget, count = 5, 2, 3, 3, 4000
+    V, D, P, budget, count = 5, 2, 3, 3, 30000
     pool_ids = torch.stack([torch.randperm(V, generator=gen)[:P] for _ in range(D)])
     scores = torch.randn(D, P, generator=gen)
     pools = CandidatePools(pool_ids.expand(count, -1, -1), scores.expand(count, -1, -1))
@@ -781,3 +781,93 @@ def assert_sampled_trees_lossless(trees: DraftTree, law: ContextLaw, root: int) 
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert_lossless(law, root, outcomes, int(realised.depths.max()) + 1)
     return realised
+
+
+# -- Weaver's best-first sampled tree, by exact enumeration of its draws --------------
+
+class _MoreDraws(Exception):
+    """The build asked for a draw beyond the enumerated prefix."""
+
+
+def ordered_draw_probability(order, q) -> float:
+    """Probability that a Gumbel-top-k draw from ``q`` orders the pool positions as
+    ``order``: the Plackett-Luce product; zero-mass positions come last, by index."""
+    weight, rest = 1.0, list(order)
+    for pos in order:
+        mass = float(sum(q[i] for i in rest))
+        if mass > 0:
+            weight *= float(q[pos]) / mass
+        elif pos != min(rest):
+            return 0.0
+        rest.remove(pos)
+    return weight
+
+
+def every_draw(build, pool: int):
+    """``build(draw)`` for every sequence of draw orders it asks for (each ``draw(i, row)``
+    answered with a permutation of the pool), with the sequence's probability."""
+    pending = [[]]
+    while pending:
+        prefix = pending.pop()
+        rows = []
+
+        def draw(i, row, prefix=prefix, rows=rows):
+            rows.append(torch.softmax(torch.from_numpy(row).double(), 0))
+            if len(rows) > len(prefix):
+                raise _MoreDraws
+            return list(prefix[len(rows) - 1])
+
+        try:
+            result = build(draw)
+        except _MoreDraws:
+            for order in itertools.permutations(range(pool)):
+                if ordered_draw_probability(order, rows[-1]) > 0:
+                    pending.append(prefix + [order])
+            continue
+        weight = math.prod(ordered_draw_probability(o, q) for o, q in zip(prefix, rows))
+        yield result, weight
+
+
+@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros"])
+@pytest.mark.parametrize("budget,width,fanout", [(3, 1, 8), (4, 2, 8), (5, 1, 2), (5, 3, 3)])
+def test_sampled_weaver_trees_are_lossless_by_enumeration(kind, budget, width, fanout, gen):
+    """Every realisation of the best-first sampled tree (the brute force that
+    ``test_tree_builders`` holds the builder to, draw for draw), weighted by its draws'
+    probability, verified by traversal: the target's multi-step law to 1e-10. A slot's
+    inclusion depends on the draws before it, never on its own token: the shape varies
+    with the draws, the law does not."""
+    from test_tree_builders import FakeSession, brute_weaver, make_pools
+
+    V, D, P = 4, 3, 3
+    # Zero-mass candidates with a target that has zeros too: slots past q's support.
+    roots, ids, logits = make_pools(gen, 1, D, P, V, holes=kind == "zeros")
+    session = FakeSession(ids, logits, V, gen, ties=False)
+    root = int(roots[0])
+    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    realised, shapes = {}, set()
+    for rows, weight in every_draw(lambda draw: brute_weaver(
+            session, 0, root, ids[0], budget, fanout, width, D, draw), P):
+        key = tuple((token, parent) for token, parent, *_ in rows)
+        shapes.add(tuple(parent for _, parent in key))
+        realised[key] = (rows, realised.get(key, (rows, 0.0))[1] + weight)
+    assert abs(sum(w for _, w in realised.values()) - 1.0) < TOL
+    assert len(shapes) > 1  # the draws decide the shape
+    outcomes = {}
+    for rows, weight in realised.values():
+        n = len(rows)
+        has_child = {parent for _, parent, *_ in rows}
+        proposal = torch.full((1, n, P), float("-inf"))
+        for i, (token, parent, depth, _) in enumerate(rows):
+            if i in has_child:
+                proposal[0, i] = session.logq(0, depth, token, rows[parent][0] if i else -1)
+        tree = DraftTree(
+            tokens=torch.tensor([[token for token, *_ in rows]]),
+            parents=torch.tensor([[parent for _, parent, *_ in rows]], dtype=torch.int32),
+            depths=torch.tensor([[depth for _, _, depth, _ in rows]], dtype=torch.int32),
+            num_nodes=torch.tensor([n], dtype=torch.int32),
+            draft_logq=torch.tensor([[logq for *_, logq in rows]], dtype=torch.float32),
+            max_depth=D, pool_ids=ids, proposal_logq=proposal)
+        probs = target_probs(tree, law)
+        plan = traversal_plan(tree, probs)
+        add_outcomes(outcomes, tree, enumerate_plan(tree, probs, plan), weight)
+    assert_lossless(law, root, outcomes, D + 1)

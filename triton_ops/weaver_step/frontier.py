@@ -4,7 +4,8 @@ Per request the frontier is a fixed set of C columns filled in insertion order
 (score -inf = empty or spent), so ranking by (score descending, column
 ascending) is the reference builder's (score descending, insertion order
 ascending). Children rank by (log q descending, pool index ascending). Both
-orders are those of a stable descending sort; the torch path IS that sort,
+orders are those of a stable descending sort (a sampled push keeps the ranks' log q as
+scores but takes its tokens in the order it is given); the torch path IS that sort,
 the Triton path takes one winner per iteration (at most 32 pops or a fan-out of
 a few children), one program per request or per expanded node, and also does
 the bookkeeping around it, so a pop or a push is one launch. A NaN score ranks
@@ -81,28 +82,38 @@ def pop_frontier(frontier: Frontier, tree: GrowingTree, count: int, max_depth: i
 
 
 def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
-                  pool_ids: torch.Tensor, children: int, *, backend: str = "auto") -> None:
+                  pool_ids: torch.Tensor, children: int, *, drawn: torch.Tensor | None = None,
+                  backend: str = "auto") -> None:
     """Write the top ``children`` of each node of ``batch`` into frontier columns
     ``start + j * children + i`` with score = the node's score + log q.
 
     ``rows``: [R, w, P] float32 log q over each node's pool row (row
     min(depth, D - 1) of ``pool_ids`` [R, D, P]); nodes -1 push -inf entries.
+
+    ``drawn``: [R, w, children] int64 pool positions in the order they were drawn (a
+    sample without replacement from each row). Entry i then scores the node's score + the
+    i-th largest log q, a value that does not depend on the token drawn there, and holds
+    the i-th drawn token with its own log q: the slot of a sampled tree.
     """
     R, w, P = rows.shape
     if not 1 <= children <= P:
         raise ValueError(f"children must be in [1, P={P}], got {children!r}")
+    if drawn is not None and (tuple(drawn.shape) != (R, w, children)
+                              or drawn.dtype != torch.int64):
+        raise ValueError(f"drawn must be int64 [{R}, {w}, {children}], got "
+                         f"{drawn.dtype} {list(drawn.shape)}")
     if start + w * children > frontier.score.shape[1]:
         raise ValueError(f"frontier of {frontier.score.shape[1]} columns has no room for "
                          f"{w * children} entries at {start}")
     if not use_triton(backend, rows):
-        return _torch_push(frontier, start, rows, batch, pool_ids, children)
+        return _torch_push(frontier, start, rows, batch, pool_ids, children, drawn)
     if not all(t.is_contiguous() for t in frontier):
         raise ValueError("the frontier tensors must be contiguous (written in place)")
     _push_kernel[(R * w,)](
         *frontier, rows.contiguous(), *(t.contiguous() for t in batch), pool_ids.contiguous(),
-        start, w, P, pool_ids.shape[1],
+        rows if drawn is None else drawn.contiguous(), start, w, P, pool_ids.shape[1],
         frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
-        PICKS=triton.next_power_of_2(children),
+        PICKS=triton.next_power_of_2(children), DRAWN=drawn is not None,
     )
 
 
@@ -135,10 +146,13 @@ def _torch_pop(frontier: Frontier, tree: GrowingTree, count: int, max_depth: int
 
 
 def _torch_push(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
-                pool_ids: torch.Tensor, children: int) -> None:
+                pool_ids: torch.Tensor, children: int, drawn: torch.Tensor | None) -> None:
     R, w, _ = rows.shape
     top, pos = torch.sort(rows, dim=-1, descending=True, stable=True)
     top, pos = top[..., :children], pos[..., :children]
+    logq = top
+    if drawn is not None:
+        pos, logq = drawn, rows.gather(-1, drawn)
     requests = torch.arange(R, device=rows.device)[:, None]
     candidates = pool_ids[requests, batch.depth.clamp(max=pool_ids.shape[1] - 1)].gather(-1, pos)
     expandable = (batch.node >= 0)[..., None]
@@ -152,7 +166,7 @@ def _torch_push(frontier: Frontier, start: int, rows: torch.Tensor, batch: Expan
     frontier.parent[:, span] = per_child(batch.node)
     frontier.token[:, span] = candidates.reshape(R, -1)
     frontier.depth[:, span] = per_child(batch.depth + 1)
-    frontier.logq[:, span] = top.reshape(R, -1)
+    frontier.logq[:, span] = logq.reshape(R, -1)
 
 
 @triton.jit
@@ -225,9 +239,9 @@ def _pop_kernel(
 @triton.jit
 def _push_kernel(
     f_score, f_token, f_parent, f_depth, f_logq,
-    rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids,
+    rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids, drawn_ptr,
     START, W, P, D, C,
-    CHILDREN: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr,
+    CHILDREN: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr, DRAWN: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     r = row // W
@@ -242,9 +256,13 @@ def _push_kernel(
     best, column, _ = _top_columns(values, inside, CHILDREN, BLOCK, PICKS)
     picks = tl.arange(0, PICKS)
     real = picks < CHILDREN
+    logq = best
+    if DRAWN:  # ranks keep their scores; tokens and their log q come in drawn order
+        column = tl.load(drawn_ptr + row * CHILDREN + picks, mask=real, other=0)
+        logq = tl.load(rows_ptr + row * P + column, mask=real, other=-float("inf"))
     at = r * C + START + j * CHILDREN + picks
     tl.store(f_score + at, tl.where(node >= 0, score + best, -float("inf")), mask=real)
     tl.store(f_token + at, tl.load(pool + column, mask=real, other=0), mask=real)
     tl.store(f_parent + at, tl.zeros((PICKS,), dtype=tl.int64) + node, mask=real)
     tl.store(f_depth + at, tl.zeros((PICKS,), dtype=tl.int64) + depth + 1, mask=real)
-    tl.store(f_logq + at, best, mask=real)
+    tl.store(f_logq + at, logq, mask=real)

@@ -19,7 +19,9 @@ Tie-breaking (exactly what the brute-force tests reproduce):
   index ascending).
 * Weaver: a node's children are its top ``fanout`` candidates by (log q
   descending, pool index ascending); the frontier pops by (score descending,
-  insertion order ascending), children inserted in pop order then rank.
+  insertion order ascending), children inserted in pop order then rank. A
+  sampled Weaver tree ranks its slots the same way, by the i-th largest log q
+  rather than by the token drawn into slot i.
 
 Every builder takes an optional :class:`ChildConstraint` (a grammar, for
 structured outputs): a candidate it forbids below a node is never drafted
@@ -27,8 +29,8 @@ there, and the budget goes to the allowed ones. It is asked once per expansion
 step (chain, DDTree, sampled: per depth) about the nodes being expanded: the
 Weaver's pops, the chain's last node, DDTree's entries of a level that can
 still be among the best ``budget`` prefixes, the sampled tree's internal nodes;
-at most ``budget`` per request and step. The sampled tree keeps the
-marginals' shape and draws from q restricted to what the constraint allows.
+at most ``budget`` per request and step. Sampled trees draw from q restricted to
+what the constraint allows.
 """
 
 from __future__ import annotations
@@ -194,6 +196,7 @@ def build_weaver_tree(
     validate: bool = True,
     backend: str = "auto",
     constraint: ChildConstraint | None = None,
+    seeds: torch.Tensor | None = None,
 ) -> DraftTree:
     """Weaver's best-first tree (DESIGN.md section 3).
 
@@ -213,8 +216,20 @@ def build_weaver_tree(
 
     ``constraint``: children it forbids get log q -inf, so they never enter the
     frontier (it reads the host once per expansion step: no CUDA graph).
+
+    ``seeds`` ([R] int64, see :func:`vllm_tfm.drafting.tree.derive_seeds`): a SAMPLED
+    tree, the input traversal verification gains on. Node u's i-th child slot is scored
+    u's path log q + the i-th largest log q(. | u) and holds the i-th token of a
+    Gumbel-top-k draw from q(. | u) over u's pool row (restricted to what ``constraint``
+    allows, renormalized); a child's own path log q uses its drawn token. So whether a
+    slot enters the tree never depends on the token drawn into it, only on draws made
+    before (at its ancestors and at nodes popped before it), which keeps traversal
+    lossless (exact enumeration: tests/test_verifiers.py); u's children are the first
+    of its draws, in node order. The tree carries ``pool_ids`` and ``proposal_logq``.
     """
     _check_inputs(root_tokens, pool_ids, None, budget, validate)
+    if seeds is not None:
+        _check_seeds(seeds, pool_ids)
     R, D, P = pool_ids.shape
     max_depth = D if max_depth is None else max_depth
     _check_int("max_depth", max_depth, 0, D)
@@ -243,6 +258,10 @@ def build_weaver_tree(
     frontier = Frontier(zeros(capacity, torch.float32, float("-inf")), zeros(capacity),
                         zeros(capacity), zeros(capacity), zeros(capacity, torch.float32))
     fill = 0
+    requests = torch.arange(R, device=device)[:, None]
+    if seeds is not None:
+        proposal = torch.full((R, N + 1, P), float("-inf"), device=device)
+        path_logq = zeros(N + 1, torch.float32)  # a node's children's scores build on it
 
     def expand_and_push(batch: ExpandBatch) -> None:
         nonlocal fill
@@ -252,11 +271,19 @@ def build_weaver_tree(
             raise ValueError(
                 f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
             )
+        rows = rows.float()
         if constraint is not None:
-            ids = pool_ids[torch.arange(R, device=device)[:, None], batch.depth.clamp(max=D - 1)]
+            ids = pool_ids[requests, batch.depth.clamp(max=D - 1)]
             rows = _constrained_rows(constraint, tree.tokens, tree.parents, batch.node, ids,
-                                     rows.float())
-        push_children(frontier, fill, rows.float(), batch, pool_ids, children, backend=backend)
+                                     rows)
+        drawn = None
+        if seeds is not None:
+            if constraint is not None:
+                rows = _renormalized(rows)
+            proposal[requests, torch.where(batch.node >= 0, batch.node, N)] = rows
+            drawn = _draw_order(rows, batch.node, seeds)[..., :children]
+        push_children(frontier, fill, rows, batch, pool_ids, children, drawn=drawn,
+                      backend=backend)
         fill += w * children
 
     if pops:
@@ -266,9 +293,20 @@ def build_weaver_tree(
     for step, k in enumerate(pops):
         batch = pop_frontier(frontier, tree, k, max_depth, backend=backend)
         if step + 1 < len(pops):
+            if seeds is not None:  # the popped score ranked a slot; children build on the path
+                slot = torch.where(batch.node >= 0, batch.node, N)
+                path = path_logq.gather(1, batch.parent.clamp(min=0)) + tree.logq.gather(1, slot)
+                path_logq.scatter_(1, slot, path)
+                batch = batch._replace(score=path)
             expand_and_push(batch)
 
     tokens, parents, depths, logq, num = tree
+    draws = {}
+    if seeds is not None:  # rows of nodes left without children are not proposals
+        has_child = torch.zeros(R, N + 1, dtype=torch.bool, device=device)
+        has_child.scatter_(1, torch.where(parents[:, :N] >= 0, parents[:, :N], N), True)
+        proposal = proposal.masked_fill(~has_child[..., None], float("-inf"))
+        draws = dict(pool_ids=pool_ids, proposal_logq=proposal[:, :N].contiguous())
     return DraftTree(
         tokens=tokens[:, :N],
         parents=parents[:, :N].to(torch.int32),
@@ -276,6 +314,7 @@ def build_weaver_tree(
         num_nodes=num.to(torch.int32),
         draft_logq=logq[:, :N],
         max_depth=max_depth,
+        **draws,
     )
 
 
@@ -290,25 +329,24 @@ def build_sampled_tree(
     pool_logits: torch.Tensor,
     budget: int,
     seeds: torch.Tensor,
-    session: ExpandSession | None = None,
     validate: bool = True,
     constraint: ChildConstraint | None = None,
     fixed_widths: bool = False,
 ) -> DraftTree:
-    """A tree whose children are SAMPLED from the drafter: the exact input of traversal.
+    """DDTree's tree with SAMPLED children: the exact input of traversal.
 
     Traversal verification is lossless only when every node's children are
     drawn from the proposal it is given. Here:
 
     * the shape (which node has how many children) is the DDTree shape of the
       marginals: a function of the drafter's outputs, never of the drawn
-      tokens. A best-first shape would let one branch's draws decide another
-      branch's size, which breaks the losslessness proof;
-    * the k children of an expanded node u are the first k of a Gumbel-top-k
-      order of q(. | u) over u's pool row: an ordered sample without
-      replacement, in node order. q is Weaver's (``session``, expanded depth
-      by depth, one call per depth) or the marginal (``session`` None);
+      tokens;
+    * the k children of an expanded node u at depth d are the first k of a
+      Gumbel-top-k order of the marginal q_d over u's pool row: an ordered
+      sample without replacement, in node order;
     * ``proposal_logq`` keeps q at every expanded node.
+
+    (Weaver's sampled tree grows best-first instead: ``build_weaver_tree`` with seeds.)
 
     A slot beyond the support of q gets a zero-mass token (draft_logq -inf)
     that traversal treats as absent. ``seeds``: [R] int64 per-request seeds
@@ -318,15 +356,13 @@ def build_sampled_tree(
     allows there and renormalized, so the children are drawn from (and
     ``proposal_logq`` holds) that restricted q; the shape stays the marginals'.
 
-    ``fixed_widths``: each depth's call expands the most nodes that depth can hold
+    ``fixed_widths``: each depth's draws run over the most nodes that depth can hold
     (``sampled_call_widths``) instead of the widths read back from the device: the same
     tree (the extra rows are padding), no host read, so a CUDA graph can hold the build.
     """
     _check_inputs(root_tokens, pool_ids, pool_logits, budget, validate)
+    _check_seeds(seeds, pool_ids)
     R, D, P = pool_ids.shape
-    if seeds.shape != (R,) or seeds.dtype != torch.int64 or seeds.device != pool_ids.device:
-        raise ValueError(f"seeds must be int64 [R={R}] on {pool_ids.device}, got "
-                         f"{seeds.dtype} {list(seeds.shape)} on {seeds.device}")
     device = pool_ids.device
     N = budget + 1
     batch = torch.arange(R, device=device)[:, None]
@@ -355,25 +391,12 @@ def build_sampled_tree(
         order = torch.argsort(torch.where(here, node_ids, N + node_ids), dim=1)[:, :w]
         real = here.gather(1, order)
         node = torch.where(real, order, -1)
-        if session is None:
-            rows = marginal[:, d, None, :].expand(R, w, P)
-        else:
-            rows = session.expand(
-                node, tokens.gather(1, order), torch.where(real, parent.gather(1, order), -1),
-                torch.full_like(order, d),
-            )
-            if tuple(rows.shape) != (R, w, P):
-                raise ValueError(
-                    f"session.expand returned shape {list(rows.shape)}, expected {[R, w, P]}"
-                )
-        rows = rows.float().masked_fill(~real[..., None], float("-inf"))
+        rows = marginal[:, d, None, :].masked_fill(~real[..., None], float("-inf"))
         if constraint is not None:
             rows = _renormalized(_constrained_rows(
                 constraint, tokens, parent, node, pool_ids[:, d, None].expand(R, w, P), rows))
         proposal[batch, torch.where(real, order, N)] = rows
-        counters = order[..., None] * P + torch.arange(P, device=device)
-        keys = rows.double() + counter_gumbel(seeds, BUILD_STREAM, counters)
-        drawn = torch.argsort(keys, dim=-1, descending=True, stable=True)  # [R, w, P]
+        drawn = _draw_order(rows, order, seeds)  # [R, w, P]
         slot_of = torch.zeros(R, N + 1, dtype=torch.int64, device=device)
         slots = torch.arange(w, device=device).expand(R, w)
         slot_of.scatter_(1, torch.where(real, order, N), slots)
@@ -393,6 +416,23 @@ def build_sampled_tree(
         pool_ids=pool_ids,
         proposal_logq=proposal[:, :N].contiguous(),
     )
+
+
+def _draw_order(rows: torch.Tensor, node: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
+    """[R, w, P] each row's pool positions in Gumbel-top-k order: an ordered sample without
+    replacement from softmax(``rows``) [R, w, P], keyed by (request seed, node index, pool
+    position) so that a node's draws depend on nothing else; zero-mass positions last."""
+    P = rows.shape[-1]
+    counters = node.clamp(min=0)[..., None] * P + torch.arange(P, device=rows.device)
+    keys = rows.double() + counter_gumbel(seeds, BUILD_STREAM, counters)
+    return torch.argsort(keys, dim=-1, descending=True, stable=True)
+
+
+def _check_seeds(seeds: torch.Tensor, pool_ids: torch.Tensor) -> None:
+    R = pool_ids.shape[0]
+    if seeds.shape != (R,) or seeds.dtype != torch.int64 or seeds.device != pool_ids.device:
+        raise ValueError(f"seeds must be int64 [R={R}] on {pool_ids.device}, got "
+                         f"{seeds.dtype} {list(seeds.shape)} on {seeds.device}")
 
 
 def sampled_call_widths(budget: int, depth: int, pool: int) -> list[int]:

@@ -95,15 +95,16 @@ def draft_trees(
         backend: tree "weaver" only: the frontier ops' backend (see
             ``build_weaver_tree``).
         sample_seeds: None for deterministic trees; [R] int64 per-request seeds
-            for trees whose children are sampled (``build_sampled_tree``, the
-            input traversal verification gains on): tree "weaver" samples from
-            Weaver's q, "ddtree" from the marginals (``fanout`` and
-            ``expand_width`` do not apply); "chain" has no sampled form.
+            for trees whose children are sampled (the input traversal verification
+            gains on): tree "weaver" grows best-first and samples from Weaver's q
+            (``build_weaver_tree`` with seeds), "ddtree" keeps its shape and samples
+            from the marginals (``build_sampled_tree``); "chain" has no sampled form.
         constraint: the tokens each expanded node's children may take (a grammar;
             see ``builders.ChildConstraint``). It reads the host, so a constrained
             round runs eagerly (``DraftRound`` takes none).
-        fixed_widths: sampled trees only: the build that reads nothing back from the
-            device (``build_sampled_tree``), the same trees.
+        fixed_widths: sampled DDTree trees only: the build that reads nothing back
+            from the device (``build_sampled_tree``), the same trees (Weaver's builds
+            never read back).
     """
     ids, scores = pools
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
@@ -131,13 +132,9 @@ def draft_trees(
         max_nodes=budget + 1,
         validate=validate,
     )
-    if sample_seeds is not None:
-        return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds, session,
-                                  validate=validate, constraint=constraint,
-                                  fixed_widths=fixed_widths)
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
-        validate=validate, backend=backend, constraint=constraint,
+        validate=validate, backend=backend, constraint=constraint, seeds=sample_seeds,
     )
 
 
