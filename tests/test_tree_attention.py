@@ -360,6 +360,11 @@ CONFIGS = [
     (32, 16, 4, 1, 32, 4, 1, 8.0),
     (16, 32, 4, 1, 32, 2, 1, 0.0),
     (64, 16, 4, 1, 16, 5, 1, -1.0),
+    # Past the merge kernel's partials in flight (MERGE_SPLITS_IN_FLIGHT = 16): its split
+    # loop runs again, the last round partly past num_splits.
+    (16, 16, 4, 1, 16, 16, 1, 8.0),
+    (16, 16, 4, 1, 16, 17, 1, 8.0),
+    (32, 16, 4, 1, 16, 40, 1, 8.0),
 ]
 
 

@@ -65,6 +65,11 @@ SPLIT_TOLERANCE = 1.05
 # every tile of a long prefix.
 RESCALE_SLACK = 8.0
 MERGE_ROWS = 16
+# Prefix partials the merge kernel loads at once: its split loop unrolls this many and
+# runs ceil(num_splits / it) times, so one compiled merge kernel serves every split count
+# (a kernel per count compiled 2-12 s each as batches of new shapes came: BENCHMARKS.md,
+# "Stop 35").
+MERGE_SPLITS_IN_FLIGHT = 16
 # Split-kernel parameters on CUDA by row-tile height: (block_m, block_n, num_warps,
 # num_stages, programs_per_sm, rescale_slack). 128 rows: two warpgroups of 64, Q and
 # two K/V stages of 64 keys fill 192 KB of shared memory, one program per SM.
@@ -305,11 +310,11 @@ def _tree_attention_split_kernel(
     tl.store(lse_ptrs, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _tree_attention_merge_kernel(
     q_ptr, k_ptr, v_ptr, block_table_ptr, prefix_ptr, num_nodes_ptr, depths_ptr, words_ptr,
     part_o_ptr, part_lse_ptr, o_ptr,
-    Hkv, G, num_rows_max, block_size, qk_scale, soft_cap, window,
+    Hkv, G, num_rows_max, block_size, num_splits, qk_scale, soft_cap, window,
     stride_qb, stride_qn, stride_qh, stride_qd,
     stride_kb, stride_kt, stride_kh, stride_kd,
     stride_vb, stride_vt, stride_vh, stride_vd,
@@ -320,14 +325,14 @@ def _tree_attention_merge_kernel(
     stride_lg, stride_ls,
     stride_yb, stride_yn, stride_yh, stride_yd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
+    SPLITS_IN_FLIGHT: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """Attention of BLOCK_R rows of one KV head to their tree ancestors, merged
     with the prefix partials into ``o``; rows of padded nodes get zeros.
 
-    The split loop is unrolled (``NUM_SPLITS`` is a compile-time constant) so that
-    the partials' loads are all in flight at once rather than one latency each."""
+    The split loop is unrolled ``SPLITS_IN_FLIGHT`` at a time so that those partials'
+    loads are in flight together rather than one latency each."""
     pid_r = tl.program_id(0)
     b = tl.program_id(1) // Hkv
     h = tl.program_id(1) % Hkv
@@ -396,20 +401,23 @@ def _tree_attention_merge_kernel(
     # Fold in the prefix partials: weights 2^(lse - m) against the running maximum.
     # A real node sees itself, so m_i is finite here for every row_ok row.
     m_i = tl.where(row_ok, m_i, 0.0)
-    for split in tl.static_range(NUM_SPLITS):
-        lse = tl.load(part_lse_ptr + group * stride_lg + split * stride_ls + rows,
-                      mask=row_ok, other=float("-inf"))
-        part = tl.load(
-            part_o_ptr + group * stride_og + split * stride_os + rows[:, None] * stride_or
-            + offs_d[None, :],
-            mask=(lse > float("-inf"))[:, None] & d_mask[None, :], other=0.0,
-        )
-        m_new = tl.maximum(m_i, lse)
-        alpha = tl.exp2(m_i - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        l_i = l_i * alpha + weight
-        m_i = m_new
+    for first in range(0, num_splits, SPLITS_IN_FLIGHT):
+        for i in tl.static_range(SPLITS_IN_FLIGHT):
+            split = first + i
+            live = row_ok & (rows * 0 + split < num_splits)  # a tensor mask, as the interpreter needs
+            lse = tl.load(part_lse_ptr + group * stride_lg + split * stride_ls + rows,
+                          mask=live, other=float("-inf"))
+            part = tl.load(
+                part_o_ptr + group * stride_og + split * stride_os + rows[:, None] * stride_or
+                + offs_d[None, :],
+                mask=(lse > float("-inf"))[:, None] & d_mask[None, :], other=0.0,
+            )
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + part * weight[:, None]
+            l_i = l_i * alpha + weight
+            m_i = m_new
     out = acc / tl.where(row_ok, l_i, 1.0)[:, None]
     out = tl.where(row_ok[:, None], out, 0.0)
     tl.store(out_ptrs, out.to(o_ptr.dtype.element_ty), mask=in_tile)
@@ -628,9 +636,9 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
     _tree_attention_merge_kernel[(triton.cdiv(N * G, MERGE_ROWS), B * Hkv)](
         q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths, words,
         part_o, part_lse, out,
-        *common, N * G, key_cache.shape[1], qk_scale, soft_cap, window,
+        *common, N * G, key_cache.shape[1], S, qk_scale, soft_cap, window,
         *strides, *words.stride(), *partial_strides, *out.stride(),
-        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, NUM_SPLITS=S, **flags,
+        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SPLITS_IN_FLIGHT=MERGE_SPLITS_IN_FLIGHT, **flags,
         num_warps=4,
     )
     return split_kernel
