@@ -138,28 +138,36 @@ def test_pop_frontier_matches_the_sorting_reference(R, C, count, max_depth, gen)
         assert (f1.score[r, order] == float("-inf")).all()
 
 
-@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3), (1, 2, 20, 3, 2),
-                                              (3, 4, 130, 8, 5)])
-def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
+def _pushed_on_both_backends(gen, R, w, P, children, D, start, drawn=None):
+    """A random push (some log q -inf, some nodes -1) on each backend, checked equal:
+    (rows, pool_ids, batch, frontier before, frontier after)."""
     rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()
     rows[torch.rand(R, w, P, generator=gen) < 0.2] = float("-inf")
     pool_ids = torch.randint(0, 100, (R, D, P), generator=gen)
     node = torch.randint(-1, 6, (R, w), generator=gen)
     batch = ExpandBatch(node, torch.zeros_like(node), torch.zeros_like(node),
                         torch.randint(0, D + 1, (R, w), generator=gen), torch.randn(R, w))
-    start = 3
     frontier = _frontier(gen, R, start + w * children + 2)
     results = []
     for backend in BACKENDS:
         f = _copy(frontier)
-        push_children(f, start, rows, batch, pool_ids, children, backend=backend)
+        push_children(f, start, rows, batch, pool_ids, children, drawn=drawn, backend=backend)
         results.append(f)
     _equal_state(*results)
+    return rows, pool_ids, batch, frontier, results[0]
+
+
+@pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3), (1, 2, 20, 3, 2),
+                                              (3, 4, 130, 8, 5)])
+def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
+    start = 3
+    _, _, batch, frontier, pushed = _pushed_on_both_backends(gen, R, w, P, children, D, start)
+    node = batch.node
     span = slice(start, start + w * children)
-    for x, y in zip(results[0], frontier):  # columns outside the span are untouched
+    for x, y in zip(pushed, frontier):  # columns outside the span are untouched
         assert torch.equal(x[:, :start], y[:, :start]) and torch.equal(x[:, span.stop:],
                                                                         y[:, span.stop:])
-    got = results[0].score[:, span].view(R, w, children)
+    got = pushed.score[:, span].view(R, w, children)
     assert torch.isneginf(got[node < 0]).all()
 
 
@@ -168,23 +176,13 @@ def test_a_sampled_push_scores_ranks_and_takes_the_drawn_tokens(R, w, P, childre
     """With ``drawn``, entry i of a node scores the node's score + its row's i-th largest
     log q whatever token was drawn there, and holds the i-th drawn token and its log q;
     both backends agree bit for bit."""
-    rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()
-    rows[torch.rand(R, w, P, generator=gen) < 0.2] = float("-inf")
     drawn = torch.argsort(torch.rand(R, w, P, generator=gen), dim=-1)[..., :children]
-    pool_ids = torch.randint(0, 100, (R, D, P), generator=gen)
-    node = torch.randint(-1, 6, (R, w), generator=gen)
-    batch = ExpandBatch(node, torch.zeros_like(node), torch.zeros_like(node),
-                        torch.randint(0, D + 1, (R, w), generator=gen), torch.randn(R, w))
     start = 2
-    frontier = _frontier(gen, R, start + w * children + 1)
-    results = []
-    for backend in BACKENDS:
-        f = _copy(frontier)
-        push_children(f, start, rows, batch, pool_ids, children, drawn=drawn, backend=backend)
-        results.append(f)
-    _equal_state(*results)
+    rows, pool_ids, batch, frontier, pushed = _pushed_on_both_backends(
+        gen, R, w, P, children, D, start, drawn)
+    node = batch.node
     span = slice(start, start + w * children)
-    got = Frontier(*(t[:, span].reshape(R, w, children) for t in results[0]))
+    got = Frontier(*(t[:, span].reshape(R, w, children) for t in pushed))
     ranked = torch.sort(rows, dim=-1, descending=True).values[..., :children]
     score = torch.where((node >= 0)[..., None], batch.score[..., None] + ranked, float("-inf"))
     assert torch.equal(got.score, score)
