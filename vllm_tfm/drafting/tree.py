@@ -10,13 +10,14 @@ Two kinds of tree exist and the verifiers treat them differently:
 * deterministic trees (chain, DDTree, Weaver best-first): the tree is a
   function of the drafter's outputs. ``pool_ids`` and ``proposal_logq`` are
   None.
-* sampled trees (:func:`vllm_tfm.drafting.builders.build_sampled_tree`): the
+* sampled trees (``build_weaver_tree`` with seeds, ``build_sampled_tree`` in
+  :mod:`vllm_tfm.drafting.builders`): the
   children of every expanded node are an ordered sample without replacement
   from the drafter's distribution over that node's pool row, in node order.
   They carry that distribution (``proposal_logq``) because traversal
   verification needs its full support, not only the drawn children.
 
-The sampled builder and the verifiers draw counter-based random numbers
+The sampled builders and the verifiers draw counter-based random numbers
 (:mod:`triton_ops.counter_random`): a uniform is a hash of (request seed,
 stream, counter), so a request's draws do not depend on the batch it sits in
 or on the device; :func:`derive_seeds` gives a fresh seed per use.

@@ -24,8 +24,8 @@ Verifiers:
   every path at once.
 * traversal: Traversal Verification (Weng et al. 2025, arXiv 2505.12398),
   see :func:`traversal_plan`. Its gain over target_only needs trees whose
-  children were SAMPLED from the draft distribution
-  (:func:`vllm_tfm.drafting.builders.build_sampled_tree`). On a
+  children were SAMPLED from the draft distribution (the sampled builders of
+  :mod:`vllm_tfm.drafting.builders`). On a
   deterministic tree it is run with the proposal "the drafter's q restricted
   to the retained children, visited in an order sampled without
   replacement"; it is lossless there too, but its outcome distribution then

@@ -15,8 +15,8 @@ every tree node exactly, fp32 transformers; greedy verification at T=0, target-o
 T>0). The chain is the DFlash block's argmax path (budget = --chain-budget, default the
 drafter's 15 positions). As in the engine, a budget below 15 also shortens the DFlash
 block to `budget` masks. At T>0, `--tree-draws sampled` adds rows of trees whose children
-are sampled (Weaver: from its q over the pool; DDTree: from the marginals) verified by
-traversal, the engine's other path for sampled requests; the summary's "auto" entries
+are sampled (Weaver: grown best-first from its q over the pool; DDTree: its shape, drawn
+from the marginals) verified by traversal, the engine's other path for sampled requests; the summary's "auto" entries
 are what the engine's `verify: "auto"` picks at each temperature
 (`options.AUTO_SAMPLED_TREE_MIN_TEMPERATURE`).
 
