@@ -391,6 +391,31 @@ def test_kernel_parameters_match_naive(config, draw, gen):
     assert (out[~meta.valid] == 0).all()
 
 
+def test_one_merge_kernel_serves_every_split_count(gen):
+    """The merge kernel takes the split count at run time and Triton does not specialise
+    it: launches for 3 and 41 splits carry the same constexprs, so one compiled kernel
+    serves both (a kernel per count compiled 2-12 s each as batches of new shapes came)."""
+    from triton_ops.testing import recording_launches
+    from triton_ops.tree_attention.attention import _tree_attention_merge_kernel
+
+    assert "num_splits" in _tree_attention_merge_kernel.kwargs["do_not_specialize"]
+    meta = random_tree_metadata(gen, ["random"], 5, [5])
+    keys, values, block_table, _ = make_paged_batch([40], [5], 1, 32, 16, "contiguous",
+                                                    torch.float32, gen)
+    q = torch.randn(1, 5, 2, 32, generator=gen)
+    merges = []
+    for splits in (3, 41):
+        with recording_launches() as launches:
+            launch_tree_attention(q, keys[0], values[0], block_table,
+                                  torch.tensor([40], dtype=torch.int32), meta, 0.5, None, None,
+                                  torch.empty_like(q), KernelConfig(16, 16, 4, 1, 16, splits))
+        (args, constexprs), = [(a, k) for fn, a, k in launches
+                               if fn.__name__ == "_tree_attention_merge_kernel"]
+        assert splits in [a for a in args if isinstance(a, int)]
+        merges.append(constexprs)
+    assert merges[0] == merges[1]
+
+
 @pytest.mark.parametrize("slack", [8.0, 0.0, -1.0])
 def test_sharp_softmax_rescales_late(slack, gen):
     """Logits spread over hundreds of log2 units, the largest ones late in each
