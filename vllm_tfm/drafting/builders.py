@@ -303,10 +303,9 @@ def build_weaver_tree(
     tokens, parents, depths, logq, num = tree
     draws = {}
     if seeds is not None:  # rows of nodes left without children are not proposals
-        has_child = torch.zeros(R, N + 1, dtype=torch.bool, device=device)
-        has_child.scatter_(1, torch.where(parents[:, :N] >= 0, parents[:, :N], N), True)
-        proposal = proposal.masked_fill(~has_child[..., None], float("-inf"))
-        draws = dict(pool_ids=pool_ids, proposal_logq=proposal[:, :N].contiguous())
+        proposal = proposal[:, :N].masked_fill(~_has_children(parents[:, :N])[..., None],
+                                               float("-inf"))
+        draws = dict(pool_ids=pool_ids, proposal_logq=proposal)
     return DraftTree(
         tokens=tokens[:, :N],
         parents=parents[:, :N].to(torch.int32),
@@ -371,9 +370,7 @@ def build_sampled_tree(
     tree = _assemble(root_tokens, shape, torch.zeros_like(shape.depth), shape.logq, max_depth=D)
     depth, parent, valid = tree.depths.long(), tree.parents.long(), tree.valid
     rank = torch.cat([torch.zeros_like(shape.rank[:, :1]), shape.rank], 1)
-    has_child = torch.zeros(R, N + 1, dtype=torch.bool, device=device)
-    has_child.scatter_(1, torch.where(parent >= 0, parent, N), True)
-    internal = has_child[:, :N] & valid
+    internal = _has_children(parent) & valid
     levels = torch.arange(D, device=device)[:, None]
     per_depth = internal[:, None, :] & (depth[:, None, :] == levels)  # [R, D, N]
     if fixed_widths:
@@ -416,6 +413,14 @@ def build_sampled_tree(
         pool_ids=pool_ids,
         proposal_logq=proposal[:, :N].contiguous(),
     )
+
+
+def _has_children(parents: torch.Tensor) -> torch.Tensor:
+    """[R, N] bool: node i is some node's parent (``parents`` [R, N], -1 for none)."""
+    N = parents.shape[1]
+    has = torch.zeros(parents.shape[0], N + 1, dtype=torch.bool, device=parents.device)
+    has.scatter_(1, torch.where(parents >= 0, parents, N).long(), True)
+    return has[:, :N]
 
 
 def _draw_order(rows: torch.Tensor, node: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
