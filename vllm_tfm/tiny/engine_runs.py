@@ -228,6 +228,18 @@ def timed_generate(llm, prompts: list, params) -> dict:
     return result
 
 
+def timed_one_at_a_time(llm, prompts: list, params: list) -> dict:
+    """`timed_generate` of each prompt alone (batch 1: the latency one user sees), summed
+    over the prompts: `tokens`, `seconds`, `tokens_per_s`, `drafts`, `accepted`, `tau`."""
+    runs = [timed_generate(llm, [prompt], [param]) for prompt, param in zip(prompts, params)]
+    tokens = [run["tokens"][0] for run in runs]
+    seconds = sum(run["seconds"] for run in runs)
+    drafts = sum(run["drafts"] for run in runs)
+    accepted = sum(run["accepted"] for run in runs)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": sum(map(len, tokens)) / seconds,
+            "drafts": drafts, "accepted": accepted, "tau": mean_accepted_length(drafts, accepted)}
+
+
 # Throughput runs (tools/bench_e2e.py, tools/demo.py), over CPU_ENGINE_KWARGS: room for
 # longer prompts and outputs, spec-decode counters on.
 TIMED_ENGINE_KWARGS = dict(kv_cache_memory_bytes=256 << 20, max_model_len=1024,

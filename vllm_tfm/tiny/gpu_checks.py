@@ -19,7 +19,12 @@ import time
 import traceback
 from pathlib import Path
 
-from vllm_tfm.tiny.engine_runs import PROMPTS, compare_greedy, timed_generate
+from vllm_tfm.tiny.engine_runs import (
+    PROMPTS,
+    compare_greedy,
+    timed_generate,
+    timed_one_at_a_time,
+)
 from vllm_tfm.tiny.launch_counts import (
     GDN_VERIFY_KERNELS,
     LAUNCHES,
@@ -199,8 +204,9 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
                cudagraphs: str = "off", runner: str = "v1",
                tfm_sync_scheduling: bool = False,
                max_model_len: int = ENGINE_KWARGS["max_model_len"]) -> dict:
-    """Warm-up, then timed greedy (and with logprobs when ``with_margins``) and sampled
-    runs; ``max_tokens[i]`` new tokens for prompt ``i``."""
+    """Warm-up, then timed greedy runs (the batch, then each prompt alone; with logprobs
+    too when ``with_margins``) and a sampled one; ``max_tokens[i]`` new tokens for prompt
+    ``i``."""
     from vllm import SamplingParams
 
     def runs(llm) -> dict:
@@ -211,6 +217,7 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
         greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         result["greedy"] = timed_generate(llm, prompts, greedy)
+        result["greedy_alone"] = timed_one_at_a_time(llm, prompts, greedy)
         if with_margins:
             logprobs = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                        logprobs=2) for n in max_tokens]
@@ -232,20 +239,22 @@ def _fmt(value, pattern: str) -> str:
 def write_report(rows: list[dict], out: Path, header: str) -> str:
     lines = [
         header, "",
-        "| configuration | greedy tok/s | greedy tau | sampled tok/s | sampled tau "
-        "| greedy vs no-spec | tree kernels | target forwards by graph mode |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | greedy tok/s | greedy tau | greedy tok/s, batch 1 | tau, batch 1 "
+        "| sampled tok/s | sampled tau | greedy vs no-spec | tree kernels "
+        "| target forwards by graph mode |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         if "error" in row:
-            lines.append(f"| {row['config']} | FAILED: {row['error'][:120]} | | | | | | |")
+            lines.append(f"| {row['config']} | FAILED: {row['error'][:120]} | | | | | | | | |")
             continue
         if "skipped" in row:
-            lines.append(f"| {row['config']} | skipped ({row['skipped']}) | | | | | | |")
+            lines.append(f"| {row['config']} | skipped ({row['skipped']}) | | | | | | | | |")
             continue
-        g, s = row["greedy"], row["sampled"]
+        g, alone, s = row["greedy"], row["greedy_alone"], row["sampled"]
         lines.append(
             f"| {row['config']} | {g['tokens_per_s']:.1f} | {_fmt(g['tau'], '.2f')} "
+            f"| {alone['tokens_per_s']:.1f} | {_fmt(alone['tau'], '.2f')} "
             f"| {s['tokens_per_s']:.1f} | {_fmt(s['tau'], '.2f')} | {row.get('equality', '-')} "
             f"| {row.get('kernels', '-')} | {graph_summary(row.get('launches', {}))} |"
         )
@@ -377,8 +386,10 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
             failed |= bool(missing)
         rows.append(row)
         g, s = result["greedy"], result["sampled"]
+        alone = result["greedy_alone"]
         print(f"    start {result['start_s']:.1f} s, warm-up {result['warmup_s']:.1f} s; greedy "
-              f"{g['tokens_per_s']:.1f} tok/s tau {_fmt(g['tau'], '.2f')}; sampled "
+              f"{g['tokens_per_s']:.1f} tok/s tau {_fmt(g['tau'], '.2f')}; batch 1 "
+              f"{alone['tokens_per_s']:.1f} tok/s tau {_fmt(alone['tau'], '.2f')}; sampled "
               f"{s['tokens_per_s']:.1f} tok/s tau {_fmt(s['tau'], '.2f')}; "
               f"{row.get('equality', '')} {row.get('kernels', '')}", flush=True)
         print(f"    launches {launches}", flush=True)
