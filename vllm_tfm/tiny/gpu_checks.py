@@ -40,9 +40,10 @@ from vllm_tfm.tiny.launch_counts import (
 HARNESS_LIMITS = (
     "Harness limits: vLLM's Python code (the version in the header) on torch 2.11 without "
     "its compiled ops (tools/gpu_vllm): CUDA graphs as --cudagraphs sets them, TRITON_ATTN, Triton GDN, "
-    "norms/RoPE/SiLU in pure torch, the model runner in the header, tiny random models (hidden "
-    "256, 8 layers, random drafter and Weaver: acceptance is low). Timings are functional, not "
-    "performance."
+    "norms/RoPE/SiLU in pure torch, the model runner in the header. Tiny models (hidden 256, "
+    "8 layers): a step costs its launches and host work, not its weights' bytes, so tokens/s "
+    "here are not the large-model regime (tools/bench_speed.py measures that); with `build`'s "
+    "random drafter and Weaver acceptance is low and timings are functional only."
 )
 RUNNERS = ("v1", "v2")
 # Environment of the GPU harness's engines (one process, vLLM's own sampler, no hub, no
