@@ -40,7 +40,14 @@ import time
 from pathlib import Path
 
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
-from vllm_tfm.benchmarks.step_phases import PHASES, install, kernels_by_phase
+from vllm_tfm.benchmarks.step_phases import (
+    PHASES,
+    collect_steps,
+    install_on_worker,
+    kernels_by_phase,
+    phase_medians,
+    set_recording,
+)
 from vllm_tfm.options import (
     DFLASH_DRAFT_DEPTH,
     MAX_BATCH,
@@ -229,21 +236,9 @@ def _engine_core(llm):
     return llm.llm_engine.engine_core.engine_core
 
 
-def _install_timer(worker, runner_kind: str):
-    install(getattr(worker, "worker", worker).model_runner, runner_kind)
-
-
 def _runner_class(worker) -> str:
     runner = getattr(worker, "worker", worker).model_runner
     return f"{type(runner).__module__}.{type(runner).__name__}"
-
-
-def _set_recording(worker, on: bool):
-    getattr(worker, "worker", worker).model_runner.bench_phase_timer.recording = on
-
-
-def _collect(worker):
-    return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
 
 
 def _compiled_variants(worker) -> list[str]:
@@ -377,19 +372,17 @@ def measure_cell(session: Session, steps: int) -> dict:
     session.step()
     before = sum(session.generated[r] for r in session.running)
     batch = len(session.running)
-    llm.collective_rpc(_set_recording, args=(True,))
+    llm.collective_rpc(set_recording, args=(True,))
     with ClockSampler() as clocks:
         periods = [session.step() * 1e3 for _ in range(steps)]
-    llm.collective_rpc(_set_recording, args=(False,))
-    rows = llm.collective_rpc(_collect)[0]
+    llm.collective_rpc(set_recording, args=(False,))
+    rows = llm.collective_rpc(collect_steps)[0]
     tokens = sum(session.generated[r] for r in session.running) - before
     decode = [row for row in rows if row["decode"]]
     cell = {"batch": batch, "steps": len(periods), "decode_steps": len(decode),
             "period_ms": statistics.median(periods),
-            "step_ms": statistics.median(r["step_ms"] for r in decode) if decode else None,
-            "observed_tokens_per_step": tokens / max(1, len(periods)) / max(1, batch)}
-    for name in PHASES:
-        cell[name] = statistics.median(r[name] for r in decode) if decode else None
+            "observed_tokens_per_step": tokens / max(1, len(periods)) / max(1, batch),
+            **phase_medians(decode)}
     if decode:
         cell["rest"] = cell["period_ms"] - sum(cell[name] for name in PHASES)
     cell["graphs"] = graph_dispatch(decode)
@@ -429,11 +422,11 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     stats.sort_stats("tottime").print_stats(40)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
-    session.llm.collective_rpc(_set_recording, args=(True,))  # the phases' profiler ranges
+    session.llm.collective_rpc(set_recording, args=(True,))  # the phases' profiler ranges
     with profile(activities=activities) as trace:
         wall = sum(session.step() for _ in range(steps)) * 1e3
-    session.llm.collective_rpc(_set_recording, args=(False,))
-    session.llm.collective_rpc(_collect)  # these steps' marks belong to no measured cell
+    session.llm.collective_rpc(set_recording, args=(False,))
+    session.llm.collective_rpc(collect_steps)  # these steps' marks belong to no measured cell
     events = trace.key_averages()
     device_ms = sum(event.self_device_time_total for event in events) / 1e3
     text.write(f"\ntorch profiler, {steps} steps: wall {wall:.2f} ms, device (sum of kernel "
@@ -525,7 +518,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
         f"memory {result['memory']}")
     result["runner_class"] = llm.collective_rpc(_runner_class)[0]
-    llm.collective_rpc(_install_timer, args=(runner,))
+    llm.collective_rpc(install_on_worker, args=(runner,))
     session = Session(llm, models["vocab_size"], shapes.temperature)
     profiled: set[int] = set()  # batch sizes whose first cell was profiled
     try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import re
+import statistics
 import time
 
 import torch
@@ -234,3 +235,23 @@ def install(runner, runner_kind: str) -> PhaseTimer:
                 manager.dispatch = functools.wraps(dispatch)(recorded_dispatch)
     runner.bench_phase_timer = timer
     return timer
+
+
+# Engine-side helpers for `LLM.collective_rpc` (each receives the worker, or its wrapper).
+def install_on_worker(worker, runner_kind: str) -> None:
+    install(getattr(worker, "worker", worker).model_runner, runner_kind)
+
+
+def set_recording(worker, on: bool) -> None:
+    getattr(worker, "worker", worker).model_runner.bench_phase_timer.recording = on
+
+
+def collect_steps(worker) -> list[dict]:
+    return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
+
+
+def phase_medians(steps: list[dict]) -> dict:
+    """Medians over ``steps`` (``PhaseTimer.collect`` rows) of ``step_ms`` and each phase;
+    None each where there are no steps."""
+    return {name: statistics.median(step[name] for step in steps) if steps else None
+            for name in ("step_ms", *PHASES)}

@@ -19,6 +19,13 @@ import time
 import traceback
 from pathlib import Path
 
+from vllm_tfm.benchmarks.step_phases import (
+    PHASES,
+    collect_steps,
+    install_on_worker,
+    phase_medians,
+    set_recording,
+)
 from vllm_tfm.tiny.engine_runs import (
     PROMPTS,
     compare_greedy,
@@ -212,6 +219,7 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
 
     def runs(llm) -> dict:
         result: dict = {}
+        llm.collective_rpc(install_on_worker, args=(runner,))
         warm = time.perf_counter()
         llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
         # and one request alone: batch-1 steps compile kernels of their own (Triton
@@ -221,7 +229,16 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
         greedy = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         result["greedy"] = timed_generate(llm, prompts, greedy)
+        # Batch 1 with each engine step split into its phases (step_phases' timer).
+        llm.collective_rpc(set_recording, args=(True,))
         result["greedy_alone"] = timed_one_at_a_time(llm, prompts, greedy)
+        llm.collective_rpc(set_recording, args=(False,))
+        steps = llm.collective_rpc(collect_steps)[0]
+        result["phases_alone"] = {
+            "wall_ms": 1e3 * result["greedy_alone"]["seconds"] / max(1, len(steps)),
+            "decode_steps": sum(step["decode"] for step in steps),
+            **phase_medians([step for step in steps if step["decode"]]),
+        }
         if with_margins:
             logprobs = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                        logprobs=2) for n in max_tokens]
@@ -262,6 +279,20 @@ def write_report(rows: list[dict], out: Path, header: str) -> str:
             f"| {s['tokens_per_s']:.1f} | {_fmt(s['tau'], '.2f')} | {row.get('equality', '-')} "
             f"| {row.get('kernels', '-')} | {graph_summary(row.get('launches', {}))} |"
         )
+    lines += ["", "Batch 1, the decode steps' medians (ms; step_phases: the step from execute_model "
+              "to the end of sample_tokens, its phases, the rest; wall = the batch-1 run's "
+              "seconds over its engine steps, prefills included):", "",
+              "| configuration | decode steps | wall a step | step | "
+              + " | ".join(PHASES) + " | rest |",
+              "|---|--:|--:|--:|" + "--:|" * (len(PHASES) + 1)]
+    for row in rows:
+        phases = row.get("phases_alone")
+        if phases is None or phases["step_ms"] is None:
+            continue
+        rest = phases["step_ms"] - sum(phases[name] for name in PHASES)
+        cells = [phases["wall_ms"], phases["step_ms"], *(phases[name] for name in PHASES), rest]
+        lines.append(f"| {row['config']} | {phases['decode_steps']} | "
+                     + " | ".join(f"{value:.2f}" for value in cells) + " |")
     lines += ["", HARNESS_LIMITS]
     text = "\n".join(lines) + "\n"
     (out / "gpu_e2e.md").write_text(text)
