@@ -21,8 +21,9 @@ one-expert MoE layer, through the harness's pure-torch `_moe_C` stand-in; its We
 `weaver/` safetensors directory).
 
 `run` generates for a batch of prompts with no speculation, vLLM's own `dflash` and
-`dflash_tfm` (trees weaver / ddtree / chain, budgets 7 / 33 / 64), greedy and sampled
-(T=1, seeded), one engine per configuration in this process, and
+`dflash_tfm` (trees weaver / ddtree / chain, budgets 7 / 33 / 64), greedy (the prompts in
+one batch, then each alone: batch 1) and sampled (T=1, seeded), one engine per configuration
+in this process, and
 
 - compares each greedy output with no speculation: a difference is accepted only where the
   no-speculation run's top-2 logprob margin is below `engine_runs.TIE_MARGIN` (bf16 ties);
@@ -30,8 +31,10 @@ one-expert MoE layer, through the harness's pure-torch `_moe_C` stand-in; its We
   defined under `triton_ops`) per configuration and requires each kernel of the tree path
   to have run;
 - prints one table (tokens/s and mean accepted length per configuration, from vLLM's
-  spec-decode counters) and writes OUT/gpu_e2e.md and OUT/gpu_e2e.json after every
-  configuration (a time-out keeps what finished).
+  spec-decode counters) and one of the batch-1 decode steps split into drafting / target
+  forward / verify + commit / rest (vllm_tfm/benchmarks/step_phases.py), and writes
+  OUT/gpu_e2e.md and OUT/gpu_e2e.json after every configuration (a time-out keeps what
+  finished).
 
 `--cudagraphs` picks the compilation settings (`CUDA_GRAPH_SETTINGS`); the report counts the
 target forwards of each engine by the CUDA-graph mode vLLM dispatched, for steps with trees
