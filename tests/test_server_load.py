@@ -34,6 +34,8 @@ HOOKS = Path(__file__).parent / "process_hooks"
 VICTIM_PROMPT = "def fault_injected_here(request):\n"
 MAX_TOKENS = 16
 LOAD = 64
+# Rounds of the fault scenario until the hook fires (see the fault test).
+FAULT_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,26 @@ def test_a_fault_fails_its_request_with_http_500_and_the_batch_completes(server)
     base, model, log_path = server
     bystanders = PROMPTS[:3]
     alone = [_greedy(base, model, prompt) for prompt in bystanders]
+    # The hook fires in a step where the victim has a tree and a bystander prefills. The
+    # scheduler decides which step a bystander's prefill lands in; where it lands beside
+    # a draftless victim step, or after the victim finished, nothing fires and the victim
+    # completes: the scenario runs again (the hook stays armed until it fires).
+    for _ in range(FAULT_ATTEMPTS):
+        victim, others = _victim_beside(base, model, bystanders)
+        for response, expected in zip(others, alone):
+            assert response.status_code == 200, response.text
+            # Batched with others, bf16 sums may round differently: equal up to a tie.
+            _assert_same_up_to_ties(expected, _greedy_choice(response.json()["choices"][0]))
+        if victim.status_code != 200 or tree_faults(log_path):
+            break
+    assert victim.status_code == 500, victim.text
+    assert _greedy(base, model, bystanders[0])["tokens"] == alone[0]["tokens"]
+    faults = tree_faults(log_path)
+    assert len(faults) == 1 and "committing the accepted paths" in faults[0], faults
+
+
+def _victim_beside(base: str, model: str, bystanders: list[str]):
+    """The victim's response and the bystanders', sent once the victim decodes."""
     generated = _metric(base, "vllm:generation_tokens_total")
     with ThreadPoolExecutor(1 + len(bystanders)) as pool:
         victim = pool.submit(_complete, base, {**_greedy_body(model, VICTIM_PROMPT),
@@ -111,15 +133,7 @@ def test_a_fault_fails_its_request_with_http_500_and_the_batch_completes(server)
             assert time.monotonic() < deadline and not victim.done(), "the victim did not decode"
             time.sleep(0.2)
         others = list(pool.map(lambda p: _complete(base, _greedy_body(model, p)), bystanders))
-        victim = victim.result()
-    assert victim.status_code == 500, victim.text
-    for response, expected in zip(others, alone):
-        assert response.status_code == 200, response.text
-        # Batched with others, bf16 sums may round differently: equal up to a tie.
-        _assert_same_up_to_ties(expected, _greedy_choice(response.json()["choices"][0]))
-    assert _greedy(base, model, bystanders[0])["tokens"] == alone[0]["tokens"]
-    faults = tree_faults(log_path)
-    assert len(faults) == 1 and "committing the accepted paths" in faults[0], faults
+        return victim.result(), others
 
 
 def _assert_same_up_to_ties(expected: dict, got: dict) -> None:
