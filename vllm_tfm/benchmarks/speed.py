@@ -45,6 +45,7 @@ from vllm_tfm.benchmarks.step_phases import (
     collect_steps,
     install_on_worker,
     kernels_by_phase,
+    model_runner_of,
     phase_medians,
     set_recording,
 )
@@ -237,7 +238,7 @@ def _engine_core(llm):
 
 
 def _runner_class(worker) -> str:
-    runner = getattr(worker, "worker", worker).model_runner
+    runner = model_runner_of(worker)
     return f"{type(runner).__module__}.{type(runner).__name__}"
 
 
@@ -257,7 +258,7 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
     (vLLM's batch-size schedule and its graphs are fixed per engine), so there a budget
     is measured on an engine pinned to it and the rule on an engine of its own
     (``engine_budgets``)."""
-    runner = getattr(worker, "worker", worker).model_runner
+    runner = model_runner_of(worker)
     if not hasattr(runner, "drafter"):
         options = runner.speculator.options
         pinned = options.budget_by_batch == ((MAX_BATCH, options.budget),)

@@ -238,16 +238,20 @@ def install(runner, runner_kind: str) -> PhaseTimer:
 
 
 # Engine-side helpers for `LLM.collective_rpc` (each receives the worker, or its wrapper).
+def model_runner_of(worker):
+    return getattr(worker, "worker", worker).model_runner
+
+
 def install_on_worker(worker, runner_kind: str) -> None:
-    install(getattr(worker, "worker", worker).model_runner, runner_kind)
+    install(model_runner_of(worker), runner_kind)
 
 
 def set_recording(worker, on: bool) -> None:
-    getattr(worker, "worker", worker).model_runner.bench_phase_timer.recording = on
+    model_runner_of(worker).bench_phase_timer.recording = on
 
 
 def collect_steps(worker) -> list[dict]:
-    return getattr(worker, "worker", worker).model_runner.bench_phase_timer.collect()
+    return model_runner_of(worker).bench_phase_timer.collect()
 
 
 def phase_medians(steps: list[dict]) -> dict:
