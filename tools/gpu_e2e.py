@@ -40,6 +40,10 @@ in this process, and
 target forwards of each engine by the CUDA-graph mode vLLM dispatched, for steps with trees
 and the others, and fails a configuration whose tree steps replayed a graph.
 
+`--profile` also profiles each configuration's greedy run of the first prompt alone:
+cProfile (the host by function), then torch's profiler (kernels by the phase that launched
+them, device time against wall time), into OUT/profile_<config>.txt.
+
 `--staggered` admits the prompts 4 at a time with different output lengths, so requests
 finish at different steps and new prompts are prefilled beside running trees: it requires
 the GDN layers' mixed path (prompt rows through vLLM's kernels, tree rows through ours) to
@@ -98,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--max-model-len", type=int, default=ENGINE_KWARGS["max_model_len"],
                      help="every engine's max_model_len (below prompt + max tokens: requests "
                           "end there, their last steps with fewer drafts, then none)")
+    run.add_argument("--profile", action="store_true",
+                     help="also profile each configuration's greedy run of the first prompt "
+                          "alone (host by function, kernels by phase) into "
+                          "OUT/profile_<config>.txt")
     args = parser.parse_args(argv)
     if args.command == "build":
         build_models(args.dir)
@@ -107,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     return run_all(args.models, args.out, args.max_tokens, args.deadline_s, args.staggered,
                    args.configs, args.cudagraphs, args.runner, args.tfm_sync_scheduling,
-                   args.max_model_len)
+                   args.max_model_len, args.profile)
 
 
 if __name__ == "__main__":

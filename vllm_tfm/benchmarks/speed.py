@@ -44,9 +44,9 @@ from vllm_tfm.benchmarks.step_phases import (
     PHASES,
     collect_steps,
     install_on_worker,
-    kernels_by_phase,
     model_runner_of,
     phase_medians,
+    profile_engine,
     set_recording,
 )
 from vllm_tfm.options import (
@@ -401,45 +401,13 @@ def graph_dispatch(steps: list[dict]) -> str | None:
 
 
 def profile_cell(session: Session, steps: int, path: Path) -> None:
-    """``steps`` engine steps under cProfile (where the host's time goes, by function), then
-    as many under torch's profiler (kernels: device time against the steps' wall time, which
-    says how host-bound a step is; and by the phase that launched them); the tables to
-    ``path``."""
-    import cProfile
-    import io
-    import pstats
-
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    host = cProfile.Profile()
-    host.enable()
-    for _ in range(steps):
-        session.step()
-    host.disable()
-    text = io.StringIO()
-    stats = pstats.Stats(host, stream=text)
-    stats.sort_stats("cumulative").print_stats(80)
-    stats.sort_stats("tottime").print_stats(40)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
-                                           if torch.cuda.is_available() else [])
-    session.llm.collective_rpc(set_recording, args=(True,))  # the phases' profiler ranges
-    with profile(activities=activities) as trace:
-        wall = sum(session.step() for _ in range(steps)) * 1e3
-    session.llm.collective_rpc(set_recording, args=(False,))
-    session.llm.collective_rpc(collect_steps)  # these steps' marks belong to no measured cell
-    events = trace.key_averages()
-    device_ms = sum(event.self_device_time_total for event in events) / 1e3
-    text.write(f"\ntorch profiler, {steps} steps: wall {wall:.2f} ms, device (sum of kernel "
-               f"self times) {device_ms:.2f} ms\n")
-    for key in ("self_device_time_total", "self_cpu_time_total"):
-        text.write(events.table(sort_by=key, row_limit=40) + "\n")
-    text.write(kernels_by_phase(trace.events(), steps) + "\n")
+    """``steps`` engine steps of the session's cell profiled (``profile_engine``), with
+    the Triton variants of our kernels compiled so far."""
     variants = session.llm.collective_rpc(_compiled_variants)[0]
-    text.write("\nTriton variants of our kernels compiled in the engine's process so far (cache "
-               "key: argument specialisation, constexprs; registers, spills):\n"
-               + "\n".join(variants) + "\n")
-    path.write_text(text.getvalue())
+    extra = ("\nTriton variants of our kernels compiled in the engine's process so far (cache "
+             "key: argument specialisation, constexprs; registers, spills):\n"
+             + "\n".join(variants) + "\n")
+    profile_engine(session.llm, lambda: [session.step() for _ in range(steps)], path, extra)
 
 
 def engine_budgets(settings, budgets: tuple[int, ...],

@@ -24,10 +24,14 @@ managers), so that a step time measured without its graphs says so.
 
 from __future__ import annotations
 
+import cProfile
 import functools
+import io
+import pstats
 import re
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -259,3 +263,41 @@ def phase_medians(steps: list[dict]) -> dict:
     None each where there are no steps."""
     return {name: statistics.median(step[name] for step in steps) if steps else None
             for name in ("step_ms", *PHASES)}
+
+
+def profile_engine(llm, run, path: Path, extra: str = "") -> int:
+    """Where an engine's time goes while ``run()`` drives it (the runner's phase timer
+    installed): ``run`` under cProfile (the host's time by function), then again under
+    torch's profiler (kernels: device time against the wall time, which says how
+    host-bound the steps are, and by the phase that launched them); the tables and
+    ``extra`` to ``path``. Returns the steps of the second run. Leaves recording off and
+    no marks behind: the profiled steps belong to no measurement."""
+    from torch.profiler import ProfilerActivity, profile
+
+    host = cProfile.Profile()
+    host.enable()
+    run()
+    host.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(host, stream=text)
+    stats.sort_stats("cumulative").print_stats(80)
+    stats.sort_stats("tottime").print_stats(40)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
+                                           if torch.cuda.is_available() else [])
+    llm.collective_rpc(collect_steps)
+    llm.collective_rpc(set_recording, args=(True,))  # the phases' profiler ranges
+    with profile(activities=activities) as trace:
+        start = time.perf_counter()
+        run()
+        wall_ms = (time.perf_counter() - start) * 1e3
+    llm.collective_rpc(set_recording, args=(False,))
+    steps = max(1, len(llm.collective_rpc(collect_steps)[0]))
+    events = trace.key_averages()
+    device_ms = sum(event.self_device_time_total for event in events) / 1e3
+    text.write(f"\ntorch profiler, {steps} steps: wall {wall_ms:.2f} ms, device (sum of kernel "
+               f"self times) {device_ms:.2f} ms\n")
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        text.write(events.table(sort_by=key, row_limit=40) + "\n")
+    text.write(kernels_by_phase(trace.events(), steps) + "\n" + extra)
+    path.write_text(text.getvalue())
+    return steps

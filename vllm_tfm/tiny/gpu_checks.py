@@ -15,6 +15,7 @@ import collections
 import gc
 import json
 import os
+import re
 import time
 import traceback
 from pathlib import Path
@@ -24,6 +25,7 @@ from vllm_tfm.benchmarks.step_phases import (
     collect_steps,
     install_on_worker,
     phase_medians,
+    profile_engine,
     set_recording,
 )
 from vllm_tfm.tiny.engine_runs import (
@@ -211,10 +213,12 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
                max_tokens: list[int], with_margins: bool, max_num_seqs: int,
                cudagraphs: str = "off", runner: str = "v1",
                tfm_sync_scheduling: bool = False,
-               max_model_len: int = ENGINE_KWARGS["max_model_len"]) -> dict:
+               max_model_len: int = ENGINE_KWARGS["max_model_len"],
+               profile_path: Path | None = None) -> dict:
     """Warm-up, then timed greedy runs (the batch, then each prompt alone; with logprobs
     too when ``with_margins``) and a sampled one; ``max_tokens[i]`` new tokens for prompt
-    ``i``."""
+    ``i``. With ``profile_path``, the first prompt's greedy run alone is also profiled
+    (``step_phases.profile_engine``) into that file."""
     from vllm import SamplingParams
 
     def runs(llm) -> dict:
@@ -239,6 +243,9 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
             "decode_steps": sum(step["decode"] for step in steps),
             **phase_medians([step for step in steps if step["decode"]]),
         }
+        if profile_path is not None:
+            profile_engine(llm, lambda: llm.generate(prompts[:1], greedy[:1], use_tqdm=False),
+                           profile_path)
         if with_margins:
             logprobs = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
                                        logprobs=2) for n in max_tokens]
@@ -251,6 +258,10 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
     result, start_s = on_tiny_engine(models, speculative_config, max_num_seqs, cudagraphs,
                                      runner, runs, tfm_sync_scheduling, max_model_len)
     return {"start_s": start_s, **result}
+
+
+def _file_name(label: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", label).strip("_")
 
 
 def _fmt(value, pattern: str) -> str:
@@ -329,7 +340,7 @@ def tree_kernels_ran_eagerly(launches: dict, models: Path) -> bool:
 def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, staggered: bool,
             config_words: list[str] | None, cudagraphs: str = "off",
             runner: str = "v1", tfm_sync_scheduling: bool = False,
-            max_model_len: int = ENGINE_KWARGS["max_model_len"]) -> int:
+            max_model_len: int = ENGINE_KWARGS["max_model_len"], profile: bool = False) -> int:
     import torch
     import triton
 
@@ -386,7 +397,9 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
             result = run_config(models, config, prompts, lengths, with_margins=config is None,
                                 max_num_seqs=max_num_seqs, cudagraphs=cudagraphs,
                                 runner=runner, tfm_sync_scheduling=tfm_sync_scheduling,
-                                max_model_len=max_model_len)
+                                max_model_len=max_model_len,
+                                profile_path=out / f"profile_{_file_name(label)}.txt"
+                                if profile else None)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
             rows.append({"config": label, "error": f"{type(error).__name__}: {error}"})
