@@ -1137,7 +1137,7 @@ def kv_commit_table(device, args, bandwidth: float) -> list[str]:
 # Fewest prefix keys a split takes, as multiples of the key tile (the default: 2). Each active
 # split writes an fp32 partial of the tree's rows that the merge reads back: at a 1k prefix
 # and 65 nodes, 8 splits move ~13 MB of partials against 4 MB of K/V.
-MIN_CHUNK_TILES = (2, 4, 8, 16)
+MIN_CHUNK_TILES = (2, 4, 8, 16, 32)
 
 
 def attention_min_chunk_sweep(device, args) -> list[str]:
