@@ -210,3 +210,17 @@ def test_vllms_capture_of_the_draft_forward_writes_only_the_spare_slot(gen, vllm
         self._generate_draft(rows, rows * BLOCK, None, None, None) for rows in (6, 6, 2, 2)])
     spec.capture()
     _same_tree(spec.engine.trees.gather(every_slot), before)
+
+
+def test_draft_graphs_store_the_context_of_every_tree_row(gen):
+    """vLLM's DFlash graph stores num_reqs * (1 + D) context rows, a chain step's; a tree
+    step of budget k scores 1 + k rows a request, and every one of them must be stored in
+    the graph of that k (the rows past the graph's were stored eagerly before each
+    replay), up to the batch's token limit."""
+    spec = _speculator("ddtree", gen, budgets=(4, BUDGET))
+    spec.max_num_tokens = 100
+    assert BUDGET > D  # the case: a tree step has more rows than vLLM's block
+    for k, num_reqs, rows in ((BUDGET, 1, 1 + BUDGET), (BUDGET, 4, 84), (BUDGET, 6, 100),
+                              (4, 6, 30)):
+        spec._use_round(k)
+        assert spec._num_graph_context_tokens(num_reqs) == rows

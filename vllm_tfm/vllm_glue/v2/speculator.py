@@ -44,7 +44,9 @@ the runner masks drafts past k with -1 (so does ``SlotTrees.draft_tokens``). vLL
 its DFlash draft graphs by padded request count only (the block is D queries whatever
 k), so the speculator holds one vLLM graph manager per k of the schedule
 (``round_budgets``), each capturing the round of that k, and replays the one of the
-step's k.
+step's k. The graphs of a k also store the drafter's context K/V of every row of a tree
+step, 1 + k a request (``_num_graph_context_tokens``), so no context row is left to an
+eager pass before the replay.
 
 Before the DFlash context pass the accepted path of each request is moved to the front of
 its rows (``TreeStep.context_order``): vLLM's DFlash reads the first
@@ -118,6 +120,9 @@ class TreeSpeculator(DFlashSpeculator):
     def __init__(self, vllm_config, device: torch.device, options: TfmOptions) -> None:
         self.options = options
         self.weaver = None
+        # The largest round: vLLM's __init__ sizes its context staging by it
+        # (_num_graph_context_tokens); _init_round sets the rounds.
+        self.round_budget = options.budget
         depth = draft_depth(options.budget, options.draft_depth)
         if options.tree == "weaver":
             self.weaver = self._load_weaver(vllm_config, device)
@@ -243,6 +248,13 @@ class TreeSpeculator(DFlashSpeculator):
             self._use_round(budget, mode)
             super().capture()
         self._use_round(self.round_budgets[-1])
+
+    def _num_graph_context_tokens(self, num_reqs: int) -> int:
+        """Context rows a FULL draft graph of ``num_reqs`` stores: a tree step's whole
+        target batch, 1 + k rows per request (vLLM's DFlash stores 1 + D, its chain's
+        rows; the rows past those were stored eagerly before every replay, the
+        drafter's context K/V projection launch by launch)."""
+        return min(num_reqs * (1 + self.round_budget), self.max_num_tokens)
 
     def _generate_draft(self, num_reqs, num_tokens_padded, attn_metadata, slot_mappings,
                         num_tokens_across_dp,
