@@ -34,7 +34,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import statistics
 import time
 from pathlib import Path
@@ -47,6 +46,7 @@ from vllm_tfm.benchmarks.step_phases import (
     model_runner_of,
     phase_medians,
     profile_engine,
+    profile_file_name,
     set_recording,
 )
 from vllm_tfm.options import (
@@ -524,7 +524,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                         f"{cell['period_ms']:.2f} ms ({phases})")
                     if profile_dir is not None and cell["batch"] not in profiled:
                         profiled.add(cell["batch"])
-                        name = re.sub(r"[^\w.-]+", "_", engine_label(result)).strip("_")
+                        name = profile_file_name(engine_label(result))
                         path = profile_dir / f"profile_{name}_B{cell['batch']}.txt"
                         profile_cell(session, shapes.steps, path)
                         log(f"  profiled {shapes.steps} steps of that cell: {path}")

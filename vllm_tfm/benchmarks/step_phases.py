@@ -265,13 +265,18 @@ def phase_medians(steps: list[dict]) -> dict:
             for name in ("step_ms", *PHASES)}
 
 
-def profile_engine(llm, run, path: Path, extra: str = "") -> int:
+def profile_file_name(label: str) -> str:
+    """A configuration's label as part of its profile's file name."""
+    return re.sub(r"[^\w.-]+", "_", label).strip("_")
+
+
+def profile_engine(llm, run, path: Path, extra: str = "") -> None:
     """Where an engine's time goes while ``run()`` drives it (the runner's phase timer
     installed): ``run`` under cProfile (the host's time by function), then again under
     torch's profiler (kernels: device time against the wall time, which says how
     host-bound the steps are, and by the phase that launched them); the tables and
-    ``extra`` to ``path``. Returns the steps of the second run. Leaves recording off and
-    no marks behind: the profiled steps belong to no measurement."""
+    ``extra`` to ``path``. Leaves recording off and no marks behind: the profiled steps
+    belong to no measurement."""
     from torch.profiler import ProfilerActivity, profile
 
     host = cProfile.Profile()
@@ -300,4 +305,3 @@ def profile_engine(llm, run, path: Path, extra: str = "") -> int:
         text.write(events.table(sort_by=key, row_limit=40) + "\n")
     text.write(kernels_by_phase(trace.events(), steps) + "\n" + extra)
     path.write_text(text.getvalue())
-    return steps

@@ -15,7 +15,6 @@ import collections
 import gc
 import json
 import os
-import re
 import time
 import traceback
 from pathlib import Path
@@ -26,6 +25,7 @@ from vllm_tfm.benchmarks.step_phases import (
     install_on_worker,
     phase_medians,
     profile_engine,
+    profile_file_name,
     set_recording,
 )
 from vllm_tfm.tiny.engine_runs import (
@@ -260,10 +260,6 @@ def run_config(models: Path, speculative_config: dict | None, prompts: list[str]
     return {"start_s": start_s, **result}
 
 
-def _file_name(label: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", label).strip("_")
-
-
 def _fmt(value, pattern: str) -> str:
     return "-" if value is None else format(value, pattern)
 
@@ -398,7 +394,7 @@ def run_all(models: Path, out: Path, max_tokens: int, deadline_s: float, stagger
                                 max_num_seqs=max_num_seqs, cudagraphs=cudagraphs,
                                 runner=runner, tfm_sync_scheduling=tfm_sync_scheduling,
                                 max_model_len=max_model_len,
-                                profile_path=out / f"profile_{_file_name(label)}.txt"
+                                profile_path=out / f"profile_{profile_file_name(label)}.txt"
                                 if profile else None)
         except Exception as error:  # one configuration's failure must not hide the others'
             traceback.print_exc()
