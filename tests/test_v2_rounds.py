@@ -224,3 +224,35 @@ def test_draft_graphs_store_the_context_of_every_tree_row(gen):
                               (4, 6, 30)):
         spec._use_round(k)
         assert spec._num_graph_context_tokens(num_reqs) == rows
+
+
+@pytest.mark.parametrize("aux_layers", [0, 3])
+def test_vllm_stores_the_drafters_context_in_context_order(aux_layers, gen, monkeypatch):
+    """After a tree step vLLM's DFlash is handed the batch's hidden-state rows in the
+    step's context order (the accepted path first): with aux layers their rows
+    concatenated side by side, as vLLM concatenates them, else the last layer's."""
+    spec = _speculator("chain", gen)
+    seen = {}
+
+    def propose(self, input_batch, attn_metadata, slot_mappings, last_hidden_states,
+                aux_hidden_states, *args, **kwargs):
+        seen.update(last=last_hidden_states, aux=aux_hidden_states)
+        return torch.zeros(input_batch.num_reqs, D, dtype=torch.int64)
+
+    monkeypatch.setattr(DFlashSpeculator, "propose", propose)
+    num_tokens = 9
+    order = torch.randperm(num_tokens, generator=gen)
+    spec.engine.step = SimpleNamespace(
+        accepted_leaf=torch.zeros(2), bonus_rows=lambda: torch.tensor([3, 8]),
+        context_order=lambda: order)
+    last = torch.randn(num_tokens + 3, WIDTH, generator=gen)  # rows past the batch
+    aux = [torch.randn(num_tokens + 3, WIDTH, generator=gen) for _ in range(aux_layers)]
+    spec.propose(_batch(gen, 2, num_tokens), None, None, last, aux or None, None, None,
+                 torch.zeros(MAX_REQS, 1, dtype=torch.int64), None, None, None)
+    if aux_layers:
+        [stored] = seen["aux"]
+        assert torch.equal(stored, torch.cat([h[:num_tokens] for h in aux], dim=-1)[order])
+        assert seen["last"] is last
+    else:
+        assert seen["aux"] is None
+        assert torch.equal(seen["last"], last[order])

@@ -340,10 +340,9 @@ class TreeSpeculator(DFlashSpeculator):
         if step is not None and step.accepted_leaf is not None and not dummy_run:
             # Weaver's h_v: the target's final state at the row that produced the root.
             h_v = last_hidden_states.index_select(0, step.bonus_rows())
-            order = step.context_order()[: input_batch.num_tokens]
-            last_hidden_states = _permute(last_hidden_states, order)
-            if aux_hidden_states:
-                aux_hidden_states = [_permute(h, order) for h in aux_hidden_states]
+            last_hidden_states, aux_hidden_states = _in_context_order(
+                step.context_order()[: input_batch.num_tokens], last_hidden_states,
+                aux_hidden_states)
         else:  # prompt chunks only: each root came from the request's last row
             ends = input_batch.query_start_loc[1 : num_reqs + 1].long() - 1
             h_v = last_hidden_states.index_select(0, ends)
@@ -376,7 +375,15 @@ def round_budgets(speculative_config, max_num_reqs: int) -> tuple[int, ...]:
     return tuple(sorted(set(lookup[1:])))
 
 
-def _permute(rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """``rows`` with its first len(order) rows taken in ``order`` (the rest kept)."""
+def _in_context_order(order: torch.Tensor, last_hidden_states: torch.Tensor,
+                      aux_hidden_states: list[torch.Tensor] | None):
+    """The target's hidden states as vLLM's DFlash stores the drafter's context from them
+    (``_store_hidden_states``, which reads the batch's rows, len(order)), their rows taken
+    in ``order``. With aux layers the drafter reads only them, concatenated: they are
+    concatenated here and gathered once, vLLM's concatenation of the one tensor left is a
+    copy (one gather instead of one per layer, and no permuted copy of the last layer)."""
     count = order.shape[0]
-    return torch.cat([rows[:count].index_select(0, order), rows[count:]])
+    if aux_hidden_states:
+        rows = torch.cat([h[:count] for h in aux_hidden_states], dim=-1)
+        return last_hidden_states, [rows.index_select(0, order)]
+    return last_hidden_states[:count].index_select(0, order), aux_hidden_states
