@@ -2,6 +2,7 @@
 which node, the drafter's context order after a commit, the rows behind each output
 token's logprobs, and the tree step built from vLLM's batch."""
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -56,8 +57,10 @@ def test_node_logits_are_each_requests_last_rows(gen, batch, max_nodes):
             assert torch.equal(got[b, j], expected), (b, j)
 
 
-@pytest.mark.parametrize("batch, max_nodes, prompt_rows", [(2, 4, 0), (4, 9, 3), (5, 16, 7)])
-def test_context_order_puts_the_accepted_path_first(gen, batch, max_nodes, prompt_rows,
+@pytest.mark.parametrize("kernel", [True, False], ids=["triton", "torch"])
+@pytest.mark.parametrize("batch, max_nodes, prompt_rows",
+                         [(1, 1, 0), (2, 4, 0), (4, 9, 3), (5, 16, 7), (3, 65, 2), (2, 70, 5)])
+def test_context_order_puts_the_accepted_path_first(gen, batch, max_nodes, prompt_rows, kernel,
                                                      monkeypatch):
     meta = drafted_trees(gen, batch, max_nodes)
     counts = meta.num_nodes.tolist()
@@ -74,8 +77,10 @@ def test_context_order_puts_the_accepted_path_first(gen, batch, max_nodes, promp
         has_trees=True,
     )
     step.accepted_leaf = random_leaves(gen, meta)
-    run_as_on_cuda(monkeypatch)  # the leaf's value check is CPU-only
-    with no_host_reads():  # on CUDA the drafter's step would wait for the target's
+    if kernel:
+        run_as_on_cuda(monkeypatch)  # the leaf's value check is CPU-only
+    with no_host_reads() if kernel else contextlib.nullcontext():
+        # On CUDA the drafter's step would wait for the target's.
         order = step.context_order()
     order = order.tolist()
     expected = list(range(total))

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from triton_ops.utils import (
     INDEX_DTYPES,
+    bit_is_set,
     check_index_vector,
     dot_block,
     host_readable,
@@ -89,6 +90,67 @@ class TreeMetadata:
         return rows & (accepted_leaf >= 0).view(-1, 1)
 
 
+def path_first_order(meta: TreeMetadata, accepted_leaf: torch.Tensor,
+                     token_rows: torch.Tensor, total: int, backend: str = "auto") -> torch.Tensor:
+    """[total] int64 row permutation that puts each request's accepted path first.
+
+    ``token_rows`` [B, N] holds the row of each node in a batch of ``total`` rows (-1 for
+    padding nodes). Request b's rows then take, in order, its accepted path from the root
+    down (``accepted_leaf`` [B], -1: none) and its other real nodes by index; rows that
+    hold no real node keep their place. ``order[row]`` is the row that moves there.
+    ``backend`` as in :func:`build_tree_metadata`; the Triton path is one launch (and
+    an arange) with no host sync, the PyTorch one a dozen.
+    """
+    check_accepted_leaf(accepted_leaf, meta)
+    check_node_tensor(meta, "token_rows", token_rows, ())
+    device = token_rows.device
+    if use_triton(backend, token_rows):
+        order = torch.arange(total, device=device)
+        B, N = token_rows.shape
+        words = meta.ancestor_words.contiguous()
+        _path_first_order_kernel[(B,)](
+            order, token_rows, words, meta.depths, meta.num_nodes.to(device), accepted_leaf,
+            N, *token_rows.stride(), words.shape[-1], NP=dot_block(N), WORD=BITS_PER_WORD)
+        return order
+    # One slot past the rows: padding nodes scatter there (below), and it is dropped.
+    order = torch.arange(total + 1, device=device)
+    on_path = meta.path_mask(accepted_leaf)
+    # Sort key per node: path nodes by depth first, then the others in order.
+    N = meta.max_nodes
+    node = torch.arange(N, device=device).expand_as(token_rows)
+    key = torch.where(on_path, meta.depths.long(), N + node)
+    key = torch.where(meta.valid, key, 3 * N + node)
+    ranked = torch.argsort(key, dim=1, stable=True)
+    sources = torch.gather(token_rows, 1, ranked)
+    # Scattered, not mask-indexed (a mask index reads its count on the host).
+    targets = torch.where(meta.valid, token_rows.long(), total)
+    order.scatter_(0, targets.flatten(), sources.long().flatten())
+    return order[:total]
+
+
+@triton.jit
+def _path_first_order_kernel(order_ptr, token_rows_ptr, words_ptr, depths_ptr, num_nodes_ptr,
+                             leaf_ptr, N, stride_tb, stride_tn, W,
+                             NP: tl.constexpr, WORD: tl.constexpr):
+    """One request: node j's rank is its depth on the path, else the path's length plus
+    the real nodes off the path before it; the row of the node at that rank gets j's."""
+    b = tl.program_id(0).to(tl.int64)
+    node = tl.arange(0, NP)
+    valid = node < tl.load(num_nodes_ptr + b)
+    leaf = tl.load(leaf_ptr + b).to(tl.int64)
+    leaf_words = words_ptr + (b * N + tl.maximum(leaf, 0)) * W
+    on_path = valid & (leaf >= 0) & bit_is_set(
+        tl.load(leaf_words + node // WORD, mask=valid, other=0), node)
+    off_path = (valid & ~on_path).to(tl.int32)
+    depth = tl.load(depths_ptr + b * N + node, mask=valid, other=0)
+    rank = tl.where(on_path, depth,
+                    tl.sum(on_path.to(tl.int32), axis=0) + tl.cumsum(off_path, axis=0) - 1)
+    rows = token_rows_ptr + b * stride_tb
+    source = tl.load(rows + node * stride_tn, mask=valid, other=0)
+    target = tl.load(rows + rank * stride_tn, mask=valid, other=0)
+    tl.store(order_ptr + target, source.to(tl.int64), mask=valid)
+
+
 def check_accepted_leaf(accepted_leaf: torch.Tensor, meta: TreeMetadata) -> None:
     """[B] int32/int64, each -1 (nothing accepted) or a real node; the values are
     checked where that costs no host sync (:func:`~triton_ops.utils.host_readable`)."""
@@ -113,7 +175,7 @@ def check_node_tensor(
         raise ValueError(f"meta must be a TreeMetadata, got {type(meta).__name__}")
     if t.dim() != 2 + len(dims) or t.shape[:2] != (meta.batch_size, meta.max_nodes):
         raise ValueError(
-            f"{name} must be [B={meta.batch_size}, N={meta.max_nodes}, {', '.join(dims)}] "
+            f"{name} must be [{', '.join([f'B={meta.batch_size}', f'N={meta.max_nodes}', *dims])}] "
             f"as meta describes, got {list(t.shape)}"
         )
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata
+from triton_ops.tree_metadata import TreeMetadata, build_tree_metadata, path_first_order
 from triton_ops.utils import capturing_graph
 
 
@@ -247,23 +247,8 @@ class TreeStep:
         the rejected rows after it, exactly where a chain drafter expects them.
         """
         assert self.accepted_leaf is not None
-        total = int(self.linear_positions.shape[-1])
-        # One slot past the rows: padding nodes scatter there (below), and it is dropped.
-        order = torch.arange(total + 1, device=self.token_rows.device)
-        on_path = self.meta.path_mask(self.accepted_leaf)
-        valid = self.meta.valid
-        # Sort key per node: path nodes by depth first, then the others in order.
-        N = self.meta.max_nodes
-        node = torch.arange(N, device=order.device).expand_as(self.token_rows)
-        key = torch.where(on_path, self.meta.depths.long(), N + node)
-        key = torch.where(valid, key, 3 * N + node)
-        ranked = torch.argsort(key, dim=1, stable=True)
-        sources = torch.gather(self.token_rows, 1, ranked)
-        # Scattered, not mask-indexed (a mask index reads its count on the host: on V2 the
-        # drafter's step would wait for the target here).
-        targets = torch.where(valid, self.token_rows.long(), total)
-        order.scatter_(0, targets.flatten(), sources.long().flatten())
-        return order[:total]
+        return path_first_order(self.meta, self.accepted_leaf, self.token_rows,
+                                int(self.linear_positions.shape[-1]))
 
 
 def build_tree_step(req_ids: list[str], parents: torch.Tensor, num_nodes: np.ndarray,
