@@ -85,7 +85,10 @@ def verify_kernel(kernel):
 
 def metadata(gen):
     parents, num_nodes = random_tree_batch(gen, ["random", "chain"], 65)
-    tree_metadata.build_tree_metadata(parents, num_nodes, backend="triton")
+    meta = tree_metadata.build_tree_metadata(parents, num_nodes, backend="triton")
+    token_rows = torch.arange(2 * 65).view(2, 65)
+    tree_metadata.path_first_order(meta, torch.zeros(2, dtype=torch.int64), token_rows, 130,
+                                   backend="triton")
 
 
 def recurrent(gen):
