@@ -78,6 +78,11 @@ def test_slot_trees_keep_each_slots_tree_and_pad_it_under_the_root():
     back = slots_store.gather(slots)
     for name in ("tokens", "parents", "depths", "num_nodes", "draft_logq"):
         assert torch.equal(getattr(back, name), getattr(trees, name)), name
+    # Cut to the nodes a step scored, in the gather: as truncate cuts the gathered trees.
+    scored = torch.tensor([3, 5, 1])
+    cut, truncated = slots_store.gather(slots, num_nodes=scored), back.truncate(scored)
+    for name in ("tokens", "parents", "depths", "num_nodes", "draft_logq"):
+        assert torch.equal(getattr(cut, name), getattr(truncated, name)), name
     drafts = slots_store.draft_tokens(slots, BUDGET)
     real = node[1:] < trees.num_nodes.view(-1, 1)
     assert torch.equal(torch.where(real, drafts, -1), torch.where(real, trees.tokens[:, 1:], -1))

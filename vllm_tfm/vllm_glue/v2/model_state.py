@@ -229,8 +229,7 @@ class TreeRejectionSampler:
         slots_np = input_batch.idx_mapping_np[:num_reqs]
         trees = state.engine.trees
         sampled_tree = trees.sampled_rows(slots_np)
-        tree = trees.gather(slots, draws=bool(sampled_tree.any())).truncate(
-            step.meta.num_nodes)
+        tree = trees.gather(slots, draws=bool(sampled_tree.any()), num_nodes=step.meta.num_nodes)
         width = tree.max_nodes
         raw = node_logits(logits, input_batch.cu_num_logits[1:], step.meta.num_nodes, width,
                           full=bool((step.num_nodes_host == width).all()))

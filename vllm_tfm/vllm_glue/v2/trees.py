@@ -111,19 +111,28 @@ class SlotTrees:
         tokens[:, num_drafts:] = -1
         return tokens
 
-    def gather(self, slots: torch.Tensor, draws: bool = False) -> DraftTree:
+    def gather(self, slots: torch.Tensor, draws: bool = False,
+               num_nodes: torch.Tensor | None = None) -> DraftTree:
         """The trees of ``slots``, real nodes only (what verification reads); ``draws``:
-        with their pools and proposals (a batch holding sampled trees)."""
+        with their pools and proposals (a batch holding sampled trees). ``num_nodes`` [R]:
+        each tree cut to at most that many nodes, as ``DraftTree.truncate`` cuts it (the
+        nodes a step scored), in the same pass."""
         slots = slots.long()
+        kept = self.num_nodes[slots]
+        if num_nodes is not None:
+            kept = torch.minimum(kept, num_nodes.to(kept))
         node = torch.arange(self.width, device=slots.device)
-        real = node < self.num_nodes[slots].view(-1, 1)
+        real = node < kept.view(-1, 1)
         pools = {}
         if draws:
-            pools = dict(pool_ids=self.pool_ids[slots], proposal_logq=self.proposal_logq[slots])
+            pools = dict(pool_ids=self.pool_ids[slots],
+                         proposal_logq=self.proposal_logq[slots].masked_fill(
+                             ~real[..., None], float("-inf")))
         return DraftTree(tokens=torch.where(real, self.tokens[slots], 0),
-                         parents=self.parents[slots],
-                         depths=self.depths[slots], num_nodes=self.num_nodes[slots],
-                         draft_logq=self.draft_logq[slots], max_depth=self.max_depth, **pools)
+                         parents=torch.where(real, self.parents[slots], -1),
+                         depths=torch.where(real, self.depths[slots], 0), num_nodes=kept,
+                         draft_logq=torch.where(real, self.draft_logq[slots], 0.0),
+                         max_depth=self.max_depth, **pools)
 
     def kernel_parents(self, slots: torch.Tensor) -> torch.Tensor:
         """[R, N] int64 parents the kernels score: padding nodes hang under the root."""
