@@ -46,11 +46,8 @@ def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: np.ndarr
 
 def sampled_tokens(result: VerifyResult, width: int) -> torch.Tensor:
     """[R, width] int64: the accepted drafts then the bonus token, -1 after."""
-    out = torch.full((result.output_tokens.shape[0], width), -1, dtype=torch.int64,
-                     device=result.output_tokens.device)
-    tokens = result.output_tokens[:, :width]
-    out[:, : tokens.shape[1]] = tokens
-    return out
+    tokens = result.output_tokens[:, :width].long()
+    return torch.nn.functional.pad(tokens, (0, width - tokens.shape[1]), value=-1)
 
 
 def path_logprobs(nodes: torch.Tensor, path: torch.Tensor, sampled: torch.Tensor,
