@@ -174,10 +174,8 @@ def check_node_tensor(
     if not isinstance(meta, TreeMetadata):
         raise ValueError(f"meta must be a TreeMetadata, got {type(meta).__name__}")
     if t.dim() != 2 + len(dims) or t.shape[:2] != (meta.batch_size, meta.max_nodes):
-        raise ValueError(
-            f"{name} must be [{', '.join([f'B={meta.batch_size}', f'N={meta.max_nodes}', *dims])}] "
-            f"as meta describes, got {list(t.shape)}"
-        )
+        shape = ", ".join([f"B={meta.batch_size}", f"N={meta.max_nodes}", *dims])
+        raise ValueError(f"{name} must be [{shape}] as meta describes, got {list(t.shape)}")
 
 
 def root_to_node_path(parents: list[int], node: int) -> list[int]:

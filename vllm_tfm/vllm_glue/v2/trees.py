@@ -115,24 +115,17 @@ class SlotTrees:
                num_nodes: torch.Tensor | None = None) -> DraftTree:
         """The trees of ``slots``, real nodes only (what verification reads); ``draws``:
         with their pools and proposals (a batch holding sampled trees). ``num_nodes`` [R]:
-        each tree cut to at most that many nodes, as ``DraftTree.truncate`` cuts it (the
-        nodes a step scored), in the same pass."""
+        each tree cut to at most that many nodes (the nodes a step scored), by the same
+        ``DraftTree.truncate`` that cuts the slots' padding."""
         slots = slots.long()
-        kept = self.num_nodes[slots]
-        if num_nodes is not None:
-            kept = torch.minimum(kept, num_nodes.to(kept))
-        node = torch.arange(self.width, device=slots.device)
-        real = node < kept.view(-1, 1)
+        stored = self.num_nodes[slots]
         pools = {}
         if draws:
-            pools = dict(pool_ids=self.pool_ids[slots],
-                         proposal_logq=self.proposal_logq[slots].masked_fill(
-                             ~real[..., None], float("-inf")))
-        return DraftTree(tokens=torch.where(real, self.tokens[slots], 0),
-                         parents=torch.where(real, self.parents[slots], -1),
-                         depths=torch.where(real, self.depths[slots], 0), num_nodes=kept,
-                         draft_logq=torch.where(real, self.draft_logq[slots], 0.0),
-                         max_depth=self.max_depth, **pools)
+            pools = dict(pool_ids=self.pool_ids[slots], proposal_logq=self.proposal_logq[slots])
+        tree = DraftTree(tokens=self.tokens[slots], parents=self.parents[slots],
+                         depths=self.depths[slots], num_nodes=stored,
+                         draft_logq=self.draft_logq[slots], max_depth=self.max_depth, **pools)
+        return tree.truncate(stored if num_nodes is None else num_nodes)
 
     def kernel_parents(self, slots: torch.Tensor) -> torch.Tensor:
         """[R, N] int64 parents the kernels score: padding nodes hang under the root."""
