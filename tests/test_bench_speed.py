@@ -23,7 +23,7 @@ def test_settings_measure_each_budget_once_and_the_chain_once():
     # --rule-only: the user's engine alone, one engine of the largest budget drafting by rule.
     rule = speed.tfm_settings(("weaver", "ddtree"), (16, 64), rule_only=True)
     assert rule == [("weaver", None)]
-    assert speed.engine_budgets(rule, (16, 64), "v2") == [(64, True, [("weaver", None)])]
+    assert speed.engine_budgets(rule, (16, 64), "v2") == [(64, True, "weaver", [("weaver", None)])]
 
 
 @pytest.mark.parametrize("compilation, mode", [("none", 0), ("inductor", None)])

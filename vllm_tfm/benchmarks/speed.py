@@ -13,11 +13,14 @@ tiny family, eager.
 One engine per method, built for the largest batch and the longest context. Prompts are
 random token ids (no tokenizer). Per context, batches from the smallest: each adds requests
 to the running ones (prefilled while those decode), up to what the engine's KV / state
-memory admits; then each setting is measured on that batch. The ``dflash_tfm`` engine
-starts with a Weaver and the largest budget; between measurements the benchmark replaces
-its proposer's options (tree kind and a one-row ``budget_by_batch`` table: see
-vllm_glue/proposer.py) instead of starting an engine per configuration. After every
-switch one step is discarded (it verifies trees drafted under the previous setting).
+memory admits; then each setting is measured on that batch. On model runner V1 the
+``dflash_tfm`` engine starts with a Weaver and the largest budget; between measurements
+the benchmark replaces its proposer's options (tree kind and a one-row
+``budget_by_batch`` table: see vllm_glue/proposer.py) instead of starting an engine per
+configuration. On V2 an engine keeps its tree kind; one engine per tree kind drafts by the
+budget rule, and the benchmark pins the scheduler's k to each budget the rule graphed
+(``engine_budgets``). After every switch one step is discarded (it verifies trees drafted
+under the previous setting), two on V2 (async scheduling has scheduled the next).
 
 Step period = wall time of one ``LLMEngine.step`` (the engine core's whole step:
 scheduling, the runner, output processing); phases from ``step_phases`` (CUDA events);
@@ -188,14 +191,14 @@ def tiny_models() -> dict[str, str]:
 
 def speculative_config(method: str, models: dict, max_budget: int,
                        budget_by_batch: tuple[tuple[int, int], ...] | None = None,
-                       expand_width: int | None = None) -> dict | None:
+                       expand_width: int | None = None, tree: str | None = None) -> dict | None:
     if method == PLAIN:
         return None
     config = {"model": models["dflash"], "attention_backend": "TRITON_ATTN"}
     if method == VLLM_DFLASH:
         return {**config, "method": "dflash", "num_speculative_tokens": DFLASH_DRAFT_DEPTH}
-    config = {**config, "method": "dflash_tfm", "tree": "weaver", "weaver": models["weaver"],
-              "num_speculative_tokens": max_budget}
+    config = {**config, "method": "dflash_tfm", "tree": tree or "weaver",
+              "weaver": models["weaver"], "num_speculative_tokens": max_budget}
     if budget_by_batch is not None:
         config["budget_by_batch"] = [list(row) for row in budget_by_batch]
     if expand_width is not None:
@@ -256,15 +259,18 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
     as a served engine of that setting would. False where the runner cannot switch: model
     runner V2's tree speculator drafts the tree kind and budget rule it was started with
     (vLLM's batch-size schedule and its graphs are fixed per engine), so there a budget
-    is measured on an engine pinned to it and the rule on an engine of its own
-    (``engine_budgets``)."""
+    is measured on an engine pinned to it, or on a rule engine whose schedule drafts it
+    at some batch size (the run pins it: ``pin_rule_budget``), and the rule on an engine
+    of its own (``engine_budgets``)."""
     runner = model_runner_of(worker)
     if not hasattr(runner, "drafter"):
-        options = runner.speculator.options
-        pinned = options.budget_by_batch == ((MAX_BATCH, options.budget),)
-        if budget is None:
-            return tree == options.tree and not pinned
-        return tree == options.tree and budget == options.budget and pinned
+        speculator = runner.speculator
+        options = speculator.options
+        if tree != options.tree:
+            return False
+        if options.budget_by_batch == ((MAX_BATCH, options.budget),):  # pinned
+            return budget == options.budget
+        return budget is None or budget in speculator.round_budgets
     drafter = runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
@@ -274,6 +280,20 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
                                           budget_by_batch=table)
     drafter.prepare_rounds()
     return True
+
+
+def pin_rule_budget(llm, budget: int | None) -> None:
+    """Model runner V2's rule engine: every step from the next scheduled one drafts
+    ``budget`` (one of its schedule's k, each graphed), whatever the batch size; None:
+    the rule again. vLLM's scheduler picks k from a dense batch-size -> k lookup
+    (dynamic speculative decoding), which this replaces."""
+    scheduler = _engine_core(llm).scheduler
+    rule = getattr(scheduler, "tfm_rule_lookup", None)
+    if rule is None:
+        if budget is None:
+            return  # never pinned: the rule's own lookup is in place
+        rule = scheduler.tfm_rule_lookup = list(scheduler.dynamic_sd_lookup)
+    scheduler.dynamic_sd_lookup = rule if budget is None else [0] + [budget] * (len(rule) - 1)
 
 
 def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
@@ -367,10 +387,12 @@ class Session:
             self.engine.step()
 
 
-def measure_cell(session: Session, steps: int) -> dict:
-    """``steps`` engine steps after one discarded step: medians of the period and phases."""
+def measure_cell(session: Session, steps: int, discard: int = 1) -> dict:
+    """``steps`` engine steps after ``discard`` discarded ones: medians of the period and
+    phases."""
     llm = session.llm
-    session.step()
+    for _ in range(discard):
+        session.step()
     before = sum(session.generated[r] for r in session.running)
     batch = len(session.running)
     llm.collective_rpc(set_recording, args=(True,))
@@ -410,21 +432,38 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     profile_engine(session.llm, lambda: [session.step() for _ in range(steps)], path, extra)
 
 
+def rule_levels(max_budget: int) -> tuple[int, ...]:
+    """The budgets the default rule of an engine of ``max_budget`` drafts at some batch
+    size, ascending: on model runner V2 each is graphed, so the benchmark may pin any of
+    them (``pin_rule_budget``)."""
+    return tuple(sorted({budget for _, budget in default_budget_table(max_budget)}))
+
+
 def engine_budgets(settings, budgets: tuple[int, ...],
-                   runner: str = "v1") -> list[tuple[int, bool, list]]:
+                   runner: str = "v1") -> list[tuple[int, bool, str, list]]:
     """dflash_tfm's engines: (num_speculative_tokens, whether the engine drafts by its
-    budget rule, the settings it measures), one per budget; the order is the settings'
-    (the issue's targets first). On V1, vLLM replays FULL graphs only for trees of
-    num_speculative_tokens drafts: the engine of the largest budget also measures the
-    budget rule (whose smaller trees run eagerly there). On V2 the rule is vLLM's
-    batch-size schedule, graphed at every k: the rule gets an engine of the largest
-    budget of its own, and every other engine is pinned to its budget."""
+    budget rule, the tree kind it starts with, the settings it measures); the order is
+    the settings' (the issue's targets first). On V1 the proposer switches tree kinds
+    between measurements, and vLLM replays FULL graphs only for trees of
+    num_speculative_tokens drafts: one engine per budget, started with Weaver; the engine
+    of the largest budget also measures the budget rule (whose smaller trees run eagerly
+    there). On V2 an engine drafts the tree kind it was started with, and the rule is
+    vLLM's batch-size schedule, graphed at every k it picks: per tree kind, one rule engine
+    of the largest budget measures the rule and every budget the rule picks at some batch
+    size (``rule_levels``, pinned between measurements); every other budget, and the
+    chain, gets an engine pinned to it."""
     largest = max(budgets)
-    by_engine: dict[tuple[int, bool], list] = {}
+    levels = rule_levels(largest)
+    by_engine: dict[tuple[int, bool, str], list] = {}
     for tree, budget in settings:
-        key = (largest, runner == "v2") if budget is None else (budget, False)
+        if runner != "v2":
+            key = (largest if budget is None else budget, False, "weaver")
+        elif budget is None or (tree != "chain" and budget in levels):
+            key = (largest, True, tree)
+        else:
+            key = (budget, False, tree)
         by_engine.setdefault(key, []).append((tree, budget))
-    return [(budget, rule, group) for (budget, rule), group in by_engine.items()]
+    return [(budget, rule, tree, group) for (budget, rule, tree), group in by_engine.items()]
 
 
 def engine_note(entry: dict) -> str:
@@ -447,9 +486,10 @@ def engine_label(result: dict) -> str:
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                deadline: float, log, budget: int | None = None,
                profile_dir: Path | None = None, rule_engine: bool = False,
-               tfm_sync_scheduling: bool = False) -> dict:
-    """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``;
-    on V2 pinned to it, or with ``rule_engine`` drafting by the default budget rule; with
+               tree: str | None = None, tfm_sync_scheduling: bool = False) -> dict:
+    """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``,
+    started with tree kind ``tree``; on V2 pinned to it, or with ``rule_engine`` drafting
+    by the default budget rule, whose budgets among ``settings`` are pinned in turn; with
     ``tfm_sync_scheduling`` turning async scheduling off; otherwise every engine runs
     vLLM's default, async on V2):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
@@ -469,15 +509,18 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     query_lens = lambda batch: fixed_lens  # noqa: E731
     table = None
     if method == TFM and runner == "v2":
-        if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed
+        if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed,
+            # and each budget the engine is pinned to at every batch
             table = default_budget_table(max_budget)
-            query_lens = lambda batch: (1 + rule_budget(max_budget, batch),)  # noqa: E731
+            pinned = tuple(1 + k for _, k in settings if k is not None)
+            query_lens = lambda batch: (1 + rule_budget(max_budget, batch), *pinned)  # noqa: E731
         else:
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
     width = shapes.expand_width if method == TFM else None
     llm = LLM(model=models["target"],
-              speculative_config=speculative_config(method, models, max_budget, table, width),
+              speculative_config=speculative_config(method, models, max_budget, table, width,
+                                                    tree),
               **engine_kwargs(shapes, runner, query_lens),
               **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
@@ -515,8 +558,13 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                         log(f"  {tree} {budget or 'rule'}: not measured, model runner "
                             f"{runner} drafts only the engine's own tree")
                         continue
+                    discard = 1
+                    if rule_engine and runner == "v2":
+                        pin_rule_budget(llm, budget)
+                        discard = 2  # async scheduling: the next step is already scheduled
                     cell = {"context": context, "tree": tree, "budget": budget,
-                            "requested_batch": batch, **measure_cell(session, shapes.steps)}
+                            "requested_batch": batch,
+                            **measure_cell(session, shapes.steps, discard)}
                     result["cells"].append(cell)
                     phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
                     setting = f"{tree} {budget or 'rule'}" if tree else ""
@@ -796,12 +844,13 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    rule_note = ("the rule's own engine, vLLM's batch-size schedule, every k graphed"
-                 if runner == "v2" else "the rule's smaller trees eager")
+    engines_note = ("one dflash_tfm engine per tree kind drafting by the rule, vLLM's "
+                    "batch-size schedule, every k graphed, the rule's budgets pinned in "
+                    "turn; one per other budget" if runner == "v2"
+                    else "one dflash_tfm engine per budget, the rule's smaller trees eager")
     graphs = ("eager" if shapes.name == "tiny"
               else f"{COMPILATION_NOTE[shapes.compilation]} + FULL_DECODE_ONLY graphs "
-                   "(tree steps of full trees graphed, "
-                   f"one dflash_tfm engine per budget; {rule_note})")
+                   f"(tree steps of full trees graphed, {engines_note})")
     header = (f"bench_speed {shapes.name} on {device}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: vLLM {vllm.__version__}, "
               f"torch {torch.__version__}, model runner {runner}, {graphs}; "
@@ -809,14 +858,14 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
               f"{shapes.temperature:g}")
 
     log = _logger(started)
-    engines = [(method, None, False, None) for method in methods if method != TFM]
+    engines = [(method, None, False, None, None) for method in methods if method != TFM]
     if TFM in methods:
-        engines += [(TFM, budget, rule, settings) for budget, rule, settings
+        engines += [(TFM, *engine) for engine
                     in engine_budgets(tfm_settings(trees, shapes.budgets, rule_only),
                                       shapes.budgets, runner)]
     results: list[dict] = []
     text = ""
-    for method, budget, rule, settings in engines:
+    for method, budget, rule, tree, settings in engines:
         if time.perf_counter() - started > deadline_s:
             results.append({"method": method, "engine_budget": budget, "skipped": "deadline",
                             "cells": [], "memory": None})
@@ -824,7 +873,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
         try:
             engine = (method, models, shapes, runner, settings, started + deadline_s)
             options = dict(budget=budget, profile_dir=out if profile else None,
-                           rule_engine=rule, tfm_sync_scheduling=tfm_sync_scheduling)
+                           rule_engine=rule, tree=tree,
+                           tfm_sync_scheduling=tfm_sync_scheduling)
             results.append(run_method_in_own_process(started, *engine, **options)
                            if own_processes else run_method(*engine, log=log, **options))
         except Exception as error:  # keep the other engines' numbers
