@@ -49,3 +49,24 @@ def test_smoke_tile_sweep_times_each_key_chunk(tmp_path):
     assert [tuple(row[2:4] + row[6:8]) for row in rows] == [("32", "4", "32", "one")] * 2 + [
         ("32", "4", "32", "three")]
     assert out.read_text().rstrip().endswith("all checks ok")
+
+
+def test_attention_profile_launches_the_engines_split_and_merge(monkeypatch):
+    """``--profile-attn`` (run under ncu on the GPU) launches the engine's tree attention
+    kernels: here at tiny heads and prefixes, on CPU."""
+    import importlib.util
+
+    from triton_ops.testing import recording_launches
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "tools" / "bench_kernels.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    import torch
+
+    with recording_launches() as launches:
+        lines = bench.attention_launches_for_profiler(torch.device("cpu"), ((1, 9, 40), (2, 5, 17)),
+                                                      (4, 2, 32))
+    names = [fn.__name__ for fn, _, _ in launches]
+    assert names == ["_tree_attention_split_kernel", "_tree_attention_merge_kernel"] * 4, names
+    assert "twice each" in lines[0]

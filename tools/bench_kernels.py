@@ -3,6 +3,7 @@ then one timing table per family.
 
     python tools/bench_kernels.py [--only gdn,conv,attn,verify,gemm] [--out FILE] [--sweep] [--smoke]
     ncu --clock-control none -k regex:"_verify|_commit" python tools/bench_kernels.py --profile-gdn
+    ncu --clock-control none -k regex:_tree_attention python tools/bench_kernels.py --profile-attn
 
 (ncu writes its report when the program exits: a run cut by a timeout leaves none, so bound
 it with ncu's ``-c COUNT`` rather than a timeout.)
@@ -970,6 +971,30 @@ def attention_inputs(gen, B, N, prefix_len, Hq, Hkv, D, device, num_layers=1):
     return keys, values, table_, meta, q, prefix
 
 
+# Qwen3.6-27B's attention (24 q / 4 kv heads of 256) under the engine's 65-node tree at
+# B = 1: issue 13's key prefix (32k, where the kernel is compute-bound) and the engine's
+# benchmark context (1k, launch-bound).
+PROFILED_ATTENTION_SHAPES = ((1, 65, 32768), (1, 65, 1024))
+PROFILED_ATTENTION_HEADS = (24, 4, 256)
+
+
+def attention_launches_for_profiler(device, shapes=PROFILED_ATTENTION_SHAPES,
+                                    heads=PROFILED_ATTENTION_HEADS) -> list[str]:
+    """Only launch the tree attention (the engine's dispatch: split + merge) twice at each
+    (B, N, prefix) of ``shapes`` with ``heads`` (q heads, kv heads, head dim), for a
+    profiler to read (``ncu -k regex:_tree_attention python tools/bench_kernels.py
+    --profile-attn``)."""
+    gen = torch.Generator().manual_seed(23)
+    Hq, Hkv, D = heads
+    for B, N, prefix_len in shapes:
+        keys, values, table_, meta, q, prefix = attention_inputs(gen, B, N, prefix_len, Hq, Hkv, D, device)
+        for _ in range(2):
+            paged_tree_attention(q, keys[0], values[0], table_, prefix, meta, D**-0.5, backend="triton")
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return [f"tree attention launched at (B, N, prefix) = {shapes}, twice each", ""]
+
+
 def attention_timing_table(device, args, bandwidth: float, flops: float, deadline: float) -> list[str]:
     """Ours under CUDA graphs over distinct layers' caches (so that short prefixes do
     not sit in L2 between calls), against the bytes and compute floors."""
@@ -1404,6 +1429,8 @@ def main() -> int:
                         help="skip the baselines (GDN: per-node-state, fla, vLLM; attention: SDPA)")
     parser.add_argument("--profile-gdn", action="store_true",
                         help="only launch the GDN kernels at the key shapes (run it under ncu)")
+    parser.add_argument("--profile-attn", action="store_true",
+                        help="only launch the tree attention at the key shapes (run it under ncu)")
     parser.add_argument("--gdn-sections", default=",".join(GDN_SECTIONS),
                         help="GDN: comma list of the sections to run, in this order")
     parser.add_argument("--attn-sections", default=",".join(ATTN_SECTIONS),
@@ -1461,11 +1488,14 @@ def main() -> int:
 
         lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         print(lines[-1], flush=True)
-    if args.profile_gdn:
-        if args.smoke:
-            parser.error("--profile-gdn launches model shapes: run it on the GPU, without --smoke")
+    if args.smoke and (args.profile_gdn or args.profile_attn):
+        parser.error("--profile-gdn / --profile-attn launch model shapes: run them on the GPU, without --smoke")
+    if args.profile_gdn or args.profile_attn:
         only = []
+    if args.profile_gdn:
         lines += gdn_launches_for_profiler(args.device, args.kernels)
+    if args.profile_attn:
+        lines += attention_launches_for_profiler(args.device)
     for name in only:
         lines += FAMILIES[name](args)
     if args.variants:
