@@ -9,6 +9,7 @@ greedy decoding whatever k a step drafts."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -528,6 +529,15 @@ def test_bench_speed_on_v2_measures_the_rules_budgets_on_the_rule_engine():
     assert not speed._set_tree(rule, "weaver", 8) and not speed._set_tree(rule, "ddtree", 16)
     assert speed.engine_label({"method": speed.TFM, "engine_budget": 64,
                                "engine_rule": True}) == "dflash_tfm (k = 64, rule)"
+    assert speed.engine_label({"method": speed.TFM, "engine_budget": 64, "engine_rule": True,
+                               "engine_tree": "ddtree"}) == "dflash_tfm ddtree (k = 64, rule)"
+    # vLLM's schedule reaches only the k of batches up to max_num_seqs: a rule engine that
+    # pins 16 needs 3 requests' worth (64 at 1, 32 at 2, 16 from 3).
+    table = speed.default_budget_table(64)
+    assert speed.first_batches(table) == {64: 1, 32: 2, 16: 3}
+    shapes = dataclasses.replace(speed.SHAPES["qwen3.6-27b"], batches=(1,), contexts=(1024,))
+    assert speed.engine_kwargs(shapes, "v2", min_num_seqs=3)["max_num_seqs"] == 3
+    assert speed.engine_kwargs(shapes, "v2")["max_num_seqs"] == 1
 
 
 def test_bench_speed_pins_the_schedulers_k_and_gives_the_rule_back():

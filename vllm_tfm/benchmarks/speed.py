@@ -206,7 +206,8 @@ def speculative_config(method: str, models: dict, max_budget: int,
     return config
 
 
-def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,),
+                  min_num_seqs: int = 1) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
     of ``query_lens(batch)`` tokens per request (1 + every k the engine's steps draft at
@@ -215,10 +216,11 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     tests' CPU settings; one engine for the largest batch and the longest context. The
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
-    runs a batch's draft round eagerly)."""
+    runs a batch's draft round eagerly). ``min_num_seqs``: max_num_seqs at least this
+    (vLLM's batch-size schedule reaches only the k of batches up to max_num_seqs)."""
     max_model_len = max(shapes.contexts) + 1024
     batches = shapes.batches + (shapes.long_batches or ())
-    common = dict(max_model_len=max_model_len, max_num_seqs=max(batches),
+    common = dict(max_model_len=max_model_len, max_num_seqs=max(*batches, min_num_seqs),
                   skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
                   disable_log_stats=False)
     if shapes.name == "tiny":
@@ -439,6 +441,15 @@ def rule_levels(max_budget: int) -> tuple[int, ...]:
     return tuple(sorted({budget for _, budget in default_budget_table(max_budget)}))
 
 
+def first_batches(table: tuple[tuple[int, int], ...]) -> dict[int, int]:
+    """Budget -> the smallest batch size at which the budget table picks it."""
+    firsts, first = {}, 1
+    for max_batch, budget in table:
+        firsts.setdefault(budget, first)
+        first = max_batch + 1
+    return firsts
+
+
 def engine_budgets(settings, budgets: tuple[int, ...],
                    runner: str = "v1") -> list[tuple[int, bool, str, list]]:
     """dflash_tfm's engines: (num_speculative_tokens, whether the engine drafts by its
@@ -480,7 +491,8 @@ def engine_label(result: dict) -> str:
     if budget is None:
         return result["method"]
     rule = ", rule" if result.get("engine_rule") else ""
-    return f"{result['method']} (k = {budget}{rule}{engine_note(result)})"
+    tree = f" {result['engine_tree']}" if result.get("engine_tree") else ""
+    return f"{result['method']}{tree} (k = {budget}{rule}{engine_note(result)})"
 
 
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
@@ -508,12 +520,17 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     fixed_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(method, (1 + max_budget,))
     query_lens = lambda batch: fixed_lens  # noqa: E731
     table = None
+    min_num_seqs = 1
     if method == TFM and runner == "v2":
         if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed,
-            # and each budget the engine is pinned to at every batch
+            # and each budget the engine is pinned to at every batch: the schedule must
+            # reach the batch that picks it
             table = default_budget_table(max_budget)
-            pinned = tuple(1 + k for _, k in settings if k is not None)
-            query_lens = lambda batch: (1 + rule_budget(max_budget, batch), *pinned)  # noqa: E731
+            pinned = tuple(k for _, k in settings if k is not None)
+            first_batch = first_batches(table)
+            min_num_seqs = max((first_batch[k] for k in pinned), default=1)
+            query_lens = lambda batch: (1 + rule_budget(max_budget, batch),  # noqa: E731
+                                        *(1 + k for k in pinned))
         else:
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
@@ -521,9 +538,10 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     llm = LLM(model=models["target"],
               speculative_config=speculative_config(method, models, max_budget, table, width,
                                                     tree),
-              **engine_kwargs(shapes, runner, query_lens),
+              **engine_kwargs(shapes, runner, query_lens, min_num_seqs),
               **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
+              "engine_tree": tree if method == TFM and runner == "v2" else None,
               "sync_scheduling": sync, "expand_width": width,
               "start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
