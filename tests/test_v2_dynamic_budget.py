@@ -9,7 +9,6 @@ greedy decoding whatever k a step drafts."""
 
 from __future__ import annotations
 
-import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,7 +40,6 @@ from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm_tfm.drafting.draft_round import candidate_pools, draft_trees
 from vllm_tfm.options import (
     MAX_BATCH,
-    MAX_BUDGET,
     TfmOptions,
     batch_size_schedule,
     budget_for_batch,
@@ -494,25 +492,22 @@ def test_greedy_verification_of_a_budget_k_step_is_greedy_decoding(gen, k):
     assert int(result.accepted_len.sum()) > 0  # some drafts accepted
 
 
-# -- bench_speed on V2: one rule engine per tree kind, its budgets pinned in turn --------------
+# -- bench_speed on V2: an engine per tree kind and budget, the rule on its own -------------
 
-def test_bench_speed_on_v2_measures_the_rules_budgets_on_the_rule_engine():
+def test_bench_speed_on_v2_gives_each_tree_kind_and_budget_its_engine():
     from vllm_tfm.benchmarks import speed
 
-    settings = speed.tfm_settings(("weaver", "ddtree", "chain"), (16, 64, MAX_BUDGET))
-    v1 = speed.engine_budgets(settings, (16, 64, MAX_BUDGET))
-    assert [(b, rule, tree) for b, rule, tree, _ in v1] == [
-        (64, False, "weaver"), (16, False, "weaver"), (MAX_BUDGET, False, "weaver")]
-    assert v1[2][3] == [("weaver", None), ("weaver", MAX_BUDGET), ("ddtree", MAX_BUDGET)]
-    # V2: an engine drafts one tree kind; the rule of MAX_BUDGET drafts 16, 32 and 64.
-    assert speed.rule_levels(MAX_BUDGET) == (16, 32, 64)
-    v2 = speed.engine_budgets(settings, (16, 64, MAX_BUDGET), "v2")
-    assert v2 == [
-        (MAX_BUDGET, True, "weaver", [("weaver", 64), ("weaver", None), ("weaver", 16)]),
-        (16, False, "chain", [("chain", 16)]),
-        (MAX_BUDGET, True, "ddtree", [("ddtree", 64), ("ddtree", 16)]),
-        (MAX_BUDGET, False, "weaver", [("weaver", MAX_BUDGET)]),
-        (MAX_BUDGET, False, "ddtree", [("ddtree", MAX_BUDGET)])]
+    settings = speed.tfm_settings(("weaver", "ddtree"), (16, 64))
+    v1 = speed.engine_budgets(settings, (16, 64))
+    assert [(b, rule, tree) for b, rule, tree, _ in v1] == [(64, False, "weaver"),
+                                                            (16, False, "weaver")]
+    assert v1[0][3] == [("weaver", 64), ("weaver", None), ("ddtree", 64)]
+    # V2: an engine drafts the tree kind it was started with (before, the DDTree settings
+    # landed on Weaver engines and were skipped).
+    v2 = speed.engine_budgets(settings, (16, 64), "v2")
+    assert v2 == [(64, False, "weaver", [("weaver", 64)]), (64, True, "weaver", [("weaver", None)]),
+                  (64, False, "ddtree", [("ddtree", 64)]), (16, False, "weaver", [("weaver", 16)]),
+                  (16, False, "ddtree", [("ddtree", 16)])]
     config = speed.speculative_config(speed.TFM, {"dflash": "d", "weaver": "w"}, 64,
                                       ((MAX_BATCH, 64),), tree="ddtree")
     assert config["budget_by_batch"] == [[MAX_BATCH, 64]] and config["tree"] == "ddtree"
@@ -520,41 +515,16 @@ def test_bench_speed_on_v2_measures_the_rules_budgets_on_the_rule_engine():
     def worker(budget_by_batch):
         options = TfmOptions(budget=64, tree="weaver", budget_by_batch=budget_by_batch)
         return SimpleNamespace(model_runner=SimpleNamespace(
-            speculator=SimpleNamespace(options=options, round_budgets=(16, 32, 64))))
+            speculator=SimpleNamespace(options=options)))
 
     pinned, rule = worker(((MAX_BATCH, 64),)), worker(None)
     assert speed._set_tree(pinned, "weaver", 64) and not speed._set_tree(pinned, "weaver", None)
+    assert speed._set_tree(rule, "weaver", None) and not speed._set_tree(rule, "weaver", 64)
     assert not speed._set_tree(pinned, "ddtree", 64) and not speed._set_tree(pinned, "weaver", 16)
-    assert all(speed._set_tree(rule, "weaver", budget) for budget in (None, 16, 32, 64))
-    assert not speed._set_tree(rule, "weaver", 8) and not speed._set_tree(rule, "ddtree", 16)
     assert speed.engine_label({"method": speed.TFM, "engine_budget": 64,
                                "engine_rule": True}) == "dflash_tfm (k = 64, rule)"
-    assert speed.engine_label({"method": speed.TFM, "engine_budget": 64, "engine_rule": True,
-                               "engine_tree": "ddtree"}) == "dflash_tfm ddtree (k = 64, rule)"
-    # vLLM's schedule reaches only the k of batches up to max_num_seqs: a rule engine that
-    # pins 16 needs 3 requests' worth (64 at 1, 32 at 2, 16 from 3).
-    table = speed.default_budget_table(64)
-    assert speed.first_batches(table) == {64: 1, 32: 2, 16: 3}
-    shapes = dataclasses.replace(speed.SHAPES["qwen3.6-27b"], batches=(1,), contexts=(1024,))
-    assert speed.engine_kwargs(shapes, "v2", min_num_seqs=3)["max_num_seqs"] == 3
-    assert speed.engine_kwargs(shapes, "v2")["max_num_seqs"] == 1
-
-
-def test_bench_speed_pins_the_schedulers_k_and_gives_the_rule_back():
-    from vllm_tfm.benchmarks import speed
-
-    rule = [0, 64, 32, 16, 16]  # vLLM's dense batch-size -> k lookup, index 0 unused
-    scheduler = SimpleNamespace(dynamic_sd_lookup=list(rule))
-    llm = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SimpleNamespace(
-        engine_core=SimpleNamespace(scheduler=scheduler))))
-    speed.pin_rule_budget(llm, None)  # the rule, never pinned: the lookup untouched
-    assert scheduler.dynamic_sd_lookup == rule and not hasattr(scheduler, "tfm_rule_lookup")
-    speed.pin_rule_budget(llm, 32)
-    assert scheduler.dynamic_sd_lookup == [0, 32, 32, 32, 32]
-    speed.pin_rule_budget(llm, 64)
-    assert scheduler.dynamic_sd_lookup == [0, 64, 64, 64, 64]
-    speed.pin_rule_budget(llm, None)
-    assert scheduler.dynamic_sd_lookup == rule
+    assert speed.engine_label({"method": speed.TFM, "engine_budget": 64, "engine_rule": False,
+                               "engine_tree": "ddtree"}) == "dflash_tfm ddtree (k = 64)"
 
 
 def test_vllms_memory_profiling_drops_every_draft_graph_manager(gen, draft_graph_managers):

@@ -1489,7 +1489,8 @@ def main() -> int:
         lines.append(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
         print(lines[-1], flush=True)
     if args.smoke and (args.profile_gdn or args.profile_attn):
-        parser.error("--profile-gdn / --profile-attn launch model shapes: run them on the GPU, without --smoke")
+        parser.error("--profile-gdn / --profile-attn launch model shapes: run them on the GPU, "
+                     "without --smoke")
     if args.profile_gdn or args.profile_attn:
         only = []
     if args.profile_gdn:

@@ -17,10 +17,9 @@ memory admits; then each setting is measured on that batch. On model runner V1 t
 ``dflash_tfm`` engine starts with a Weaver and the largest budget; between measurements
 the benchmark replaces its proposer's options (tree kind and a one-row
 ``budget_by_batch`` table: see vllm_glue/proposer.py) instead of starting an engine per
-configuration. On V2 an engine keeps its tree kind; one engine per tree kind drafts by the
-budget rule, and the benchmark pins the scheduler's k to each budget the rule graphed
-(``engine_budgets``). After every switch one step is discarded (it verifies trees drafted
-under the previous setting), two on V2 (async scheduling has scheduled the next).
+configuration. On V2 an engine drafts the tree kind and budget (or budget rule) it was
+started with (``engine_budgets``). After every switch one step is discarded (it verifies
+trees drafted under the previous setting).
 
 Step period = wall time of one ``LLMEngine.step`` (the engine core's whole step:
 scheduling, the runner, output processing); phases from ``step_phases`` (CUDA events);
@@ -206,8 +205,7 @@ def speculative_config(method: str, models: dict, max_budget: int,
     return config
 
 
-def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,),
-                  min_num_seqs: int = 1) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
     of ``query_lens(batch)`` tokens per request (1 + every k the engine's steps draft at
@@ -216,11 +214,10 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     tests' CPU settings; one engine for the largest batch and the longest context. The
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
-    runs a batch's draft round eagerly). ``min_num_seqs``: max_num_seqs at least this
-    (vLLM's batch-size schedule reaches only the k of batches up to max_num_seqs)."""
+    runs a batch's draft round eagerly)."""
     max_model_len = max(shapes.contexts) + 1024
     batches = shapes.batches + (shapes.long_batches or ())
-    common = dict(max_model_len=max_model_len, max_num_seqs=max(*batches, min_num_seqs),
+    common = dict(max_model_len=max_model_len, max_num_seqs=max(batches),
                   skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
                   disable_log_stats=False)
     if shapes.name == "tiny":
@@ -261,18 +258,15 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
     as a served engine of that setting would. False where the runner cannot switch: model
     runner V2's tree speculator drafts the tree kind and budget rule it was started with
     (vLLM's batch-size schedule and its graphs are fixed per engine), so there a budget
-    is measured on an engine pinned to it, or on a rule engine whose schedule drafts it
-    at some batch size (the run pins it: ``pin_rule_budget``), and the rule on an engine
-    of its own (``engine_budgets``)."""
+    is measured on an engine of that tree kind pinned to it and the rule on an engine of
+    its own (``engine_budgets``)."""
     runner = model_runner_of(worker)
     if not hasattr(runner, "drafter"):
-        speculator = runner.speculator
-        options = speculator.options
-        if tree != options.tree:
-            return False
-        if options.budget_by_batch == ((MAX_BATCH, options.budget),):  # pinned
-            return budget == options.budget
-        return budget is None or budget in speculator.round_budgets
+        options = runner.speculator.options
+        pinned = options.budget_by_batch == ((MAX_BATCH, options.budget),)
+        if budget is None:
+            return tree == options.tree and not pinned
+        return tree == options.tree and budget == options.budget and pinned
     drafter = runner.drafter
     if not hasattr(drafter, "bench_options"):
         drafter.bench_options = drafter.options
@@ -282,20 +276,6 @@ def _set_tree(worker, tree: str, budget: int | None) -> bool:
                                           budget_by_batch=table)
     drafter.prepare_rounds()
     return True
-
-
-def pin_rule_budget(llm, budget: int | None) -> None:
-    """Model runner V2's rule engine: every step from the next scheduled one drafts
-    ``budget`` (one of its schedule's k, each graphed), whatever the batch size; None:
-    the rule again. vLLM's scheduler picks k from a dense batch-size -> k lookup
-    (dynamic speculative decoding), which this replaces."""
-    scheduler = _engine_core(llm).scheduler
-    rule = getattr(scheduler, "tfm_rule_lookup", None)
-    if rule is None:
-        if budget is None:
-            return  # never pinned: the rule's own lookup is in place
-        rule = scheduler.tfm_rule_lookup = list(scheduler.dynamic_sd_lookup)
-    scheduler.dynamic_sd_lookup = rule if budget is None else [0] + [budget] * (len(rule) - 1)
 
 
 def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
@@ -389,12 +369,10 @@ class Session:
             self.engine.step()
 
 
-def measure_cell(session: Session, steps: int, discard: int = 1) -> dict:
-    """``steps`` engine steps after ``discard`` discarded ones: medians of the period and
-    phases."""
+def measure_cell(session: Session, steps: int) -> dict:
+    """``steps`` engine steps after one discarded step: medians of the period and phases."""
     llm = session.llm
-    for _ in range(discard):
-        session.step()
+    session.step()
     before = sum(session.generated[r] for r in session.running)
     batch = len(session.running)
     llm.collective_rpc(set_recording, args=(True,))
@@ -434,22 +412,6 @@ def profile_cell(session: Session, steps: int, path: Path) -> None:
     profile_engine(session.llm, lambda: [session.step() for _ in range(steps)], path, extra)
 
 
-def rule_levels(max_budget: int) -> tuple[int, ...]:
-    """The budgets the default rule of an engine of ``max_budget`` drafts at some batch
-    size, ascending: on model runner V2 each is graphed, so the benchmark may pin any of
-    them (``pin_rule_budget``)."""
-    return tuple(sorted({budget for _, budget in default_budget_table(max_budget)}))
-
-
-def first_batches(table: tuple[tuple[int, int], ...]) -> dict[int, int]:
-    """Budget -> the smallest batch size at which the budget table picks it."""
-    firsts, first = {}, 1
-    for max_batch, budget in table:
-        firsts.setdefault(budget, first)
-        first = max_batch + 1
-    return firsts
-
-
 def engine_budgets(settings, budgets: tuple[int, ...],
                    runner: str = "v1") -> list[tuple[int, bool, str, list]]:
     """dflash_tfm's engines: (num_speculative_tokens, whether the engine drafts by its
@@ -459,17 +421,15 @@ def engine_budgets(settings, budgets: tuple[int, ...],
     num_speculative_tokens drafts: one engine per budget, started with Weaver; the engine
     of the largest budget also measures the budget rule (whose smaller trees run eagerly
     there). On V2 an engine drafts the tree kind it was started with, and the rule is
-    vLLM's batch-size schedule, graphed at every k it picks: per tree kind, one rule engine
-    of the largest budget measures the rule and every budget the rule picks at some batch
-    size (``rule_levels``, pinned between measurements); every other budget, and the
-    chain, gets an engine pinned to it."""
+    vLLM's batch-size schedule, graphed at the k it picks at each batch size only
+    (vllm_glue/v2/graph_pruning.py): the rule gets an engine of the largest budget of its
+    own, and every (tree kind, budget) an engine pinned to it."""
     largest = max(budgets)
-    levels = rule_levels(largest)
     by_engine: dict[tuple[int, bool, str], list] = {}
     for tree, budget in settings:
         if runner != "v2":
             key = (largest if budget is None else budget, False, "weaver")
-        elif budget is None or (tree != "chain" and budget in levels):
+        elif budget is None:
             key = (largest, True, tree)
         else:
             key = (budget, False, tree)
@@ -501,9 +461,8 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                tree: str | None = None, tfm_sync_scheduling: bool = False) -> dict:
     """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``,
     started with tree kind ``tree``; on V2 pinned to it, or with ``rule_engine`` drafting
-    by the default budget rule, whose budgets among ``settings`` are pinned in turn; with
-    ``tfm_sync_scheduling`` turning async scheduling off; otherwise every engine runs
-    vLLM's default, async on V2):
+    by the default budget rule; with ``tfm_sync_scheduling`` turning async scheduling off;
+    otherwise every engine runs vLLM's default, async on V2):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
     setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
     at each batch size is also profiled (``profile_cell``) into a file there."""
@@ -520,17 +479,10 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     fixed_lens = {PLAIN: (1,), VLLM_DFLASH: (1 + DFLASH_DRAFT_DEPTH,)}.get(method, (1 + max_budget,))
     query_lens = lambda batch: fixed_lens  # noqa: E731
     table = None
-    min_num_seqs = 1
     if method == TFM and runner == "v2":
-        if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed,
-            # and each budget the engine is pinned to at every batch: the schedule must
-            # reach the batch that picks it
+        if rule_engine:  # the default rule, given (V2 opts in by a table); its k graphed
             table = default_budget_table(max_budget)
-            pinned = tuple(k for _, k in settings if k is not None)
-            first_batch = first_batches(table)
-            min_num_seqs = max((first_batch[k] for k in pinned), default=1)
-            query_lens = lambda batch: (1 + rule_budget(max_budget, batch),  # noqa: E731
-                                        *(1 + k for k in pinned))
+            query_lens = lambda batch: (1 + rule_budget(max_budget, batch),)  # noqa: E731
         else:
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
@@ -538,7 +490,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
     llm = LLM(model=models["target"],
               speculative_config=speculative_config(method, models, max_budget, table, width,
                                                     tree),
-              **engine_kwargs(shapes, runner, query_lens, min_num_seqs),
+              **engine_kwargs(shapes, runner, query_lens),
               **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
               "engine_tree": tree if method == TFM and runner == "v2" else None,
@@ -576,13 +528,8 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                         log(f"  {tree} {budget or 'rule'}: not measured, model runner "
                             f"{runner} drafts only the engine's own tree")
                         continue
-                    discard = 1
-                    if rule_engine and runner == "v2":
-                        pin_rule_budget(llm, budget)
-                        discard = 2  # async scheduling: the next step is already scheduled
                     cell = {"context": context, "tree": tree, "budget": budget,
-                            "requested_batch": batch,
-                            **measure_cell(session, shapes.steps, discard)}
+                            "requested_batch": batch, **measure_cell(session, shapes.steps)}
                     result["cells"].append(cell)
                     phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
                     setting = f"{tree} {budget or 'rule'}" if tree else ""
@@ -862,9 +809,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
     out.mkdir(parents=True, exist_ok=True)  # profiles are written before the first report
     models = write_qwen36_models(work) if shapes.name != "tiny" else tiny_models()
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    engines_note = ("one dflash_tfm engine per tree kind drafting by the rule, vLLM's "
-                    "batch-size schedule, every k graphed, the rule's budgets pinned in "
-                    "turn; one per other budget" if runner == "v2"
+    engines_note = ("one dflash_tfm engine per tree kind and budget; the rule's own engine, "
+                    "vLLM's batch-size schedule, its k graphed" if runner == "v2"
                     else "one dflash_tfm engine per budget, the rule's smaller trees eager")
     graphs = ("eager" if shapes.name == "tiny"
               else f"{COMPILATION_NOTE[shapes.compilation]} + FULL_DECODE_ONLY graphs "
