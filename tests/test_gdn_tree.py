@@ -670,7 +670,11 @@ def test_default_scale_is_inverse_sqrt_k(gen):
 @pytest.mark.parametrize("block_k, block_v, warps", [(16, 32, 2), (32, 16, 2), (16, 16, 1)])
 def test_commit_state_tiles_commit_the_same_states(N, block_k, block_v, warps, gen):
     """The commit's tuning knobs (bench_kernels' commit sweep) partition the state tile only:
-    every tile gives the default's states bit for bit, and the float64 path's within tolerance."""
+    every tile gives the default's states, and the float64 path's within tolerance. Compiled,
+    bit for bit (bench_kernels checks that on the GPU); here to a few fp32 ulps, since the
+    interpreter's dots are NumPy matmuls whose OpenBLAS kernel, picked by CPU and shape, sets
+    the summation order (on an AMD EPYC they differ in the last bits; a tile that dropped or
+    repeated a block would be off by O(1))."""
     meta = random_tree_metadata(gen, ["bushy", "forest"], N)
     q, k, v, g, beta, pool, slots = make_inputs(gen, 2, N, 1, 2, 32, 32)
     out = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend="triton")
@@ -680,7 +684,7 @@ def test_commit_state_tiles_commit_the_same_states(N, block_k, block_v, warps, g
     chunk_triton.commit_triton(tuned, slots, meta, out, leaf, DEFAULT_PRECISION, block_k=block_k,
                                block_v=block_v, num_warps=warps)
     assert not torch.equal(default, pool)
-    assert torch.equal(tuned, default)
+    torch.testing.assert_close(tuned, default, rtol=1e-6, atol=1e-6)
     _, states = naive_recurrent_gdn_tree(q, k, v, g, beta, pool, slots, meta)
     for b in range(2):
         assert rel_err(tuned[int(slots[b])], states[b, leaf[b]]) < FP32_TOL
