@@ -56,14 +56,14 @@ def test_attention_profile_launches_the_engines_split_and_merge(monkeypatch):
     kernels: here at tiny heads and prefixes, on CPU."""
     import importlib.util
 
+    import torch
+
     from triton_ops.testing import recording_launches
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "tools" / "bench_kernels.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    import torch
-
     with recording_launches() as launches:
         lines = bench.attention_launches_for_profiler(torch.device("cpu"), ((1, 9, 40), (2, 5, 17)),
                                                       (4, 2, 32))
