@@ -29,6 +29,8 @@ def test_smoke_run_checks_every_family_and_saves_its_tables(tmp_path):
     assert "Triton variants compiled (ours):" in text
     # The dense part of a tree forward: F.linear checked at every token count, then tabled.
     assert "F.linear bf16, M=520" in text and "linear layers by token count M" in text
+    # The merge kernel's column split: one, two and three programs per row block, checked.
+    assert "merge kernel's value columns per program" in text
 
 
 def test_smoke_tile_sweep_times_each_key_chunk(tmp_path):

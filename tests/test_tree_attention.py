@@ -121,6 +121,8 @@ TREE_CASES = [
     (("random", "forest"), (16, 12), 16, (64, 31), 16, "contiguous", 1, 3, 32, 9, 3.0),
     (("random",), (5,), 5, (17,), 16, "hnd", 1, 1, 256, None, None),
     (("random", "star"), (9, 4), 9, (40, 2), 32, "cpu_attn", 2, 2, 64, None, None),
+    # Three merge column blocks (MERGE_COLUMNS = 64), the last one partly past D.
+    (("bushy", "star"), (12, 5), 12, (50, 0), 16, "hnd", 2, 3, 160, 7, 4.0),
 ]
 
 

@@ -1183,24 +1183,67 @@ def attention_min_chunk_sweep(device, args) -> list[str]:
             per_split = -(-prefix_len // config.num_splits)
             chunk = max(-(-per_split // config.block_n) * config.block_n, config.min_chunk)
             active = -(-prefix_len // chunk)
-            calls = case_calls(config)
-            out.fill_(math.nan)
-            calls[0]()
-            err = rel_err(out, ref)
             label = f"attention min_chunk {config.min_chunk} prefix {prefix_len}"
-            if not err < 1e-2:
-                args.failed.append(label)
-                rows.append([str(prefix_len), str(config.min_chunk), str(active), fmt_err(err), "FAILED"])
-                continue
-            rows.append([str(prefix_len), str(config.min_chunk), str(active), fmt_err(err),
-                         fmt(guarded(label, lambda: time_graph(calls, device)))])
+            rows.append([str(prefix_len), str(config.min_chunk), str(active),
+                         *checked_graph_time(label, case_calls(config), out, ref, device, args)[1:]])
         del case_calls, out, ref  # the caches
     return table(f"tree attention by the split kernel's min_chunk (N={N}, B=1, {Hq} q / {Hkv} kv heads, D={D}; "
                  f"us, graph, split + merge; active splits of the default's {default.num_splits})",
                  ["prefix", "min_chunk", "active splits", "error vs torch fp32", "graph"], rows)
 
 
-ATTN_SECTIONS = ("correctness", "sweep", "min-chunk", "timing", "kv-commit")
+def checked_graph_time(label, calls, out, ref, device, args) -> tuple[float, str, str]:
+    """Run ``calls[0]`` into a poisoned ``out`` and check it against ``ref`` (a failure
+    joins ``args.failed`` and is not timed), then time ``calls`` under a CUDA graph:
+    (us or NaN, error, time) with the last two formatted for a table."""
+    out.fill_(math.nan)
+    calls[0]()
+    err = rel_err(out, ref)
+    if not err < 1e-2:
+        args.failed.append(label)
+        return math.nan, fmt_err(err), "FAILED"
+    us = guarded(label, lambda: time_graph(calls, device))
+    return us, fmt_err(err), fmt(us)
+
+
+# Value columns per merge program (attention.MERGE_COLUMNS): 256 is one program per row block
+# (the kernel before stop 40), each halving doubles the programs.
+MERGE_COLUMN_CANDIDATES = (256, 128, 64, 32)
+
+
+def attention_merge_sweep(device, args) -> list[str]:
+    """The whole attention op (split + merge) at the engine's tree (N = 65, B = 1) by the
+    merge kernel's value columns per program at prefixes 1k and 32k, each output checked
+    against the PyTorch path in fp32 first; the tables then use the fastest over both
+    prefixes. ``--smoke``: tiny shapes on CPU, the checks alone."""
+    if not args.sweep:
+        return []
+    import triton_ops.tree_attention.attention as attention_module
+
+    gen = torch.Generator().manual_seed(24)
+    Hq, Hkv, D, N = (6, 2, 96, 17) if args.smoke else (24, 4, 256, 65)
+    rows, totals, default = [], dict.fromkeys(MERGE_COLUMN_CANDIDATES, 0.0), attention_module.MERGE_COLUMNS
+    for prefix_len in ((40, 300) if args.smoke else (1024, 32768)):
+        case_calls, out, ref = attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, args.smoke)
+        config = kernel_config(out, Hkv)
+        for columns in MERGE_COLUMN_CANDIDATES:
+            attention_module.MERGE_COLUMNS = columns
+            row_blocks = -(-N * (Hq // Hkv) // attention_module.MERGE_ROWS)
+            programs = row_blocks * -(-D // columns) * Hkv
+            us, *cells = checked_graph_time(f"attention merge columns {columns} prefix {prefix_len}",
+                                            case_calls(config), out, ref, device, args)
+            totals[columns] += us
+            rows.append([str(prefix_len), str(columns), str(programs), *cells])
+        del case_calls, out, ref  # the caches
+    finite = [c for c in MERGE_COLUMN_CANDIDATES if math.isfinite(totals[c])]
+    attention_module.MERGE_COLUMNS = min(finite, key=totals.__getitem__) if finite else default
+    return table(f"tree attention by the merge kernel's value columns per program (N={N}, B=1, {Hq} q / {Hkv} "
+                 f"kv heads, D={D}; us, graph, split + merge; the tables use "
+                 f"{attention_module.MERGE_COLUMNS})",
+                 ["prefix", "columns", "merge programs", "error vs torch fp32", "graph"], rows)
+
+
+ATTN_SECTIONS = ("correctness", "sweep", "min-chunk", "merge", "timing", "kv-commit")
 
 
 def bench_attention(args) -> list[str]:
@@ -1211,6 +1254,7 @@ def bench_attention(args) -> list[str]:
         "correctness": lambda: attention_correctness(device, args.smoke, args.failed),
         "sweep": lambda: attention_config_sweep(device, args),
         "min-chunk": lambda: attention_min_chunk_sweep(device, args),
+        "merge": lambda: attention_merge_sweep(device, args),
         "timing": lambda: [*attention_timing_table(device, args, copy_bandwidth(device), matmul_rate(device),
                                                    deadline),
                            *(markdown_table(*args.attention_rows) if args.attention_rows else [])],
@@ -1434,8 +1478,8 @@ def main() -> int:
     parser.add_argument("--gdn-sections", default=",".join(GDN_SECTIONS),
                         help="GDN: comma list of the sections to run, in this order")
     parser.add_argument("--attn-sections", default=",".join(ATTN_SECTIONS),
-                        help="attention: comma list of the sections to run, in this order (sweep and "
-                             "min-chunk also need --sweep)")
+                        help="attention: comma list of the sections to run, in this order (sweep, "
+                             "min-chunk and merge also need --sweep)")
     parser.add_argument("--gdn-shapes", default="",
                         help="GDN timing table and verify sweep: only these NxB shapes, e.g. 65x1,17x8 "
                              "(default: the table N in 16..128, B in 1, 8, 32; the sweep 128x1,64x8,128x8,64x32)")

@@ -16,9 +16,11 @@ CUDA runs two kernels (flash-decoding):
   aside); the softmax rescales the accumulator only when some row's maximum
   grew past a slack (exact either way: the stale maximum is what both the
   partial sums and the log-sum-exp use).
-- ``_tree_attention_merge_kernel``: per small block of rows, attention to the
-  tree keys (at most N) under the ancestor mask, folded together with the
-  prefix partials into the output.
+- ``_tree_attention_merge_kernel``: per small block of rows and block of value
+  columns, attention to the tree keys (at most N) under the ancestor mask, folded
+  together with the prefix partials into the output. The logits take the whole
+  head dimension, so each column block recomputes them (N keys: cheap); the
+  column split is what gives a 65-node tree enough programs to fill the GPU.
 
 The split count depends on shapes only and chunks past a short prefix stay
 idle, so nothing waits on the host and the launch is graph-safe.
@@ -65,6 +67,10 @@ SPLIT_TOLERANCE = 1.05
 # every tile of a long prefix.
 RESCALE_SLACK = 8.0
 MERGE_ROWS = 16
+# Value columns of one merge program: at D = 256 four programs share a row block, so a
+# 65-node tree of 24 / 4 heads runs 400 merge programs, not 100 (0.38 of a wave at 6 %
+# occupancy on an H100: BENCHMARKS.md, "Stop 39", the merge under ncu).
+MERGE_COLUMNS = 64
 # Prefix partials the merge kernel loads at once: its split loop unrolls this many and
 # runs ceil(num_splits / it) times, so one compiled merge kernel serves every split count
 # (a kernel per count compiled 2-12 s each as batches of new shapes came: BENCHMARKS.md,
@@ -324,20 +330,21 @@ def _tree_attention_merge_kernel(
     stride_og, stride_os, stride_or,
     stride_lg, stride_ls,
     stride_yb, stride_yn, stride_yh, stride_yd,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr,
-    SPLITS_IN_FLIGHT: tl.constexpr, SOFT_CAP: tl.constexpr, SLIDING: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, SPLITS_IN_FLIGHT: tl.constexpr, SOFT_CAP: tl.constexpr,
+    SLIDING: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Attention of BLOCK_R rows of one KV head to their tree ancestors, merged
-    with the prefix partials into ``o``; rows of padded nodes get zeros.
+    with the prefix partials into BLOCK_C columns of ``o``; rows of padded nodes
+    get zeros.
 
     The split loop is unrolled ``SPLITS_IN_FLIGHT`` at a time so that those partials'
     loads are in flight together rather than one latency each."""
     pid_r = tl.program_id(0)
-    b = tl.program_id(1) // Hkv
-    h = tl.program_id(1) % Hkv
+    b = tl.program_id(2) // Hkv
+    h = tl.program_id(2) % Hkv
     b64 = b.to(tl.int64)
-    group = tl.program_id(1).to(tl.int64)
+    group = tl.program_id(2).to(tl.int64)
     num_rows = tl.load(num_nodes_ptr + b) * G
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     row_ok = rows < num_rows
@@ -345,11 +352,13 @@ def _tree_attention_merge_kernel(
     head = h * G + rows % G
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_mask = offs_c < HEAD_DIM
     out_ptrs = (o_ptr + b64 * stride_yb + node[:, None] * stride_yn + head[:, None] * stride_yh
-                + offs_d[None, :] * stride_yd)
-    in_tile = (rows < num_rows_max)[:, None] & d_mask[None, :]
+                + offs_c[None, :] * stride_yd)
+    in_tile = (rows < num_rows_max)[:, None] & c_mask[None, :]
     if pid_r * BLOCK_R >= num_rows:
-        tl.store(out_ptrs, tl.zeros((BLOCK_R, BLOCK_D), o_ptr.dtype.element_ty), mask=in_tile)
+        tl.store(out_ptrs, tl.zeros((BLOCK_R, BLOCK_C), o_ptr.dtype.element_ty), mask=in_tile)
         return
 
     prefix_len = tl.load(prefix_ptr + b).to(tl.int32)
@@ -362,7 +371,7 @@ def _tree_attention_merge_kernel(
     table = block_table_ptr + b64 * stride_tb
     m_i = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     # Ancestors precede their descendants, so the block's last node bounds its keys.
     end = (tl.minimum(pid_r * BLOCK_R + BLOCK_R, num_rows) - 1) // G + 1
     for key_start in range(0, end, BLOCK_T):
@@ -378,10 +387,9 @@ def _tree_attention_merge_kernel(
         if SLIDING:
             k_depth = tl.load(depths_ptr + b * stride_db + j * stride_dn, mask=key_ok, other=0)
             visible = visible & ((q_depth[:, None] - k_depth[None, :]) < window)
-        kv_mask = key_ok[:, None] & d_mask[None, :]
         offset = pos % block_size
         k = tl.load(k_ptr + (blk * stride_kb + offset * stride_kt + h * stride_kh)[:, None]
-                    + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0)
+                    + offs_d[None, :] * stride_kd, mask=key_ok[:, None] & d_mask[None, :], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if SOFT_CAP:
             logits = soft_cap - 2.0 * soft_cap / (tl.exp2(s * qk_scale) + 1.0)
@@ -393,7 +401,7 @@ def _tree_attention_merge_kernel(
         p = tl.exp2(logits - m_shift[:, None])
         alpha = tl.exp2(m_i - m_shift)
         v = tl.load(v_ptr + (blk * stride_vb + offset * stride_vt + h * stride_vh)[:, None]
-                    + offs_d[None, :] * stride_vd, mask=kv_mask, other=0.0)
+                    + offs_c[None, :] * stride_vd, mask=key_ok[:, None] & c_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         m_i = m_new
@@ -409,8 +417,8 @@ def _tree_attention_merge_kernel(
                           mask=live, other=float("-inf"))
             part = tl.load(
                 part_o_ptr + group * stride_og + split * stride_os + rows[:, None] * stride_or
-                + offs_d[None, :],
-                mask=(lse > float("-inf"))[:, None] & d_mask[None, :], other=0.0,
+                + offs_c[None, :],
+                mask=(lse > float("-inf"))[:, None] & c_mask[None, :], other=0.0,
             )
             m_new = tl.maximum(m_i, lse)
             alpha = tl.exp2(m_i - m_new)
@@ -633,12 +641,13 @@ def launch_tree_attention(q, key_cache, value_cache, block_table, prefix_lens, m
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     block_t = min(32, dot_block(N))
-    _tree_attention_merge_kernel[(triton.cdiv(N * G, MERGE_ROWS), B * Hkv)](
+    block_c = min(MERGE_COLUMNS, block_d)
+    _tree_attention_merge_kernel[(triton.cdiv(N * G, MERGE_ROWS), triton.cdiv(D, block_c), B * Hkv)](
         q, key_cache, value_cache, block_table, prefix_lens, meta.num_nodes, meta.depths, words,
         part_o, part_lse, out,
         *common, N * G, key_cache.shape[1], S, qk_scale, soft_cap, window,
         *strides, *words.stride(), *partial_strides, *out.stride(),
-        BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SPLITS_IN_FLIGHT=MERGE_SPLITS_IN_FLIGHT, **flags,
-        num_warps=4,
+        BLOCK_C=block_c, BLOCK_R=MERGE_ROWS, BLOCK_T=block_t, SPLITS_IN_FLIGHT=MERGE_SPLITS_IN_FLIGHT,
+        **flags, num_warps=4,
     )
     return split_kernel
