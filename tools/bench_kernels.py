@@ -1058,9 +1058,14 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list
 # programs_per_sm, rescale_slack): the defaults first, then 32-key tiles with K/V two or
 # three tiles ahead (164 / 192 KB of shared memory on sm_90), the textbook rescale every
 # tile, and 16-key tiles two ahead for 64-row tiles (82 KB: still two programs per SM).
+# The 64-row class also tries more warps in flight per SM, which ncu says the split kernel
+# lacks (stop 39: 2 warps per scheduler, tensor pipe 27 % busy): 8 warps on a 64-row tile
+# (half the accumulator's registers per thread), and 32-row tiles of 4 warps (mma.sync,
+# half the accumulator and Q; each K/V tile is then read by twice as many programs).
 ATTENTION_CANDIDATES = {
     128: [(128, 64, 8, 2, 1, 8.0), (128, 32, 8, 4, 1, 8.0), (128, 32, 8, 3, 1, 8.0), (128, 64, 8, 2, 1, -1.0)],
-    64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0)],
+    64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0), (64, 32, 8, 2, 2, 8.0), (32, 32, 4, 2, 2, 8.0),
+         (32, 16, 4, 3, 3, 8.0)],
 }
 
 
@@ -1087,20 +1092,21 @@ def attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, smoke):
 
 
 def attention_config_sweep(device, args) -> list[str]:
-    """Split-kernel parameters at B = 1, prefix 32k; the tables then use the fastest of
-    each row-tile height (``attention.CUDA_TILES``). ``--smoke``: tiny shapes on CPU,
-    to check the section itself."""
+    """Split-kernel parameters at B = 1, prefix 32k, and at the engine's tree (65 nodes)
+    over a 1k prefix; the tables then use the fastest of each row-tile height over all
+    rows (``attention.CUDA_TILES``). ``--smoke``: tiny shapes on CPU, to check the
+    section itself."""
     if not args.sweep:
         return []
     import triton_ops.tree_attention.attention as attention_module
     from triton_ops.tree_attention.attention import KernelConfig, split_count
 
     gen = torch.Generator().manual_seed(22)
-    Hq, Hkv, D, prefix_len = (6, 2, 32, 300) if args.smoke else (24, 4, 256, 32768)
+    Hq, Hkv, D, long_prefix = (6, 2, 32, 300) if args.smoke else (24, 4, 256, 32768)
     G = Hq // Hkv
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     rows, totals = [], {}
-    for N in (32, 64, 128):
+    for N, prefix_len in ((32, long_prefix), (64, long_prefix), (128, long_prefix), (65, long_prefix // 32)):
         case_calls, out, ref = attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, args.smoke)
         for height, candidates in ATTENTION_CANDIDATES.items():
             for tiles in candidates:
@@ -1113,7 +1119,8 @@ def attention_config_sweep(device, args) -> list[str]:
                     kernel = calls[0]()
                 except Exception as exc:  # noqa: BLE001 - a config may not fit in shared memory
                     print(f"attention sweep {tiles}: {type(exc).__name__}: {exc}"[:400], flush=True)
-                    rows.append([str(N), "x".join(f"{x:g}" for x in tiles), str(splits), "-", type(exc).__name__, "-"])
+                    rows.append([str(N), str(prefix_len), "x".join(f"{x:g}" for x in tiles), str(splits), "-",
+                                 type(exc).__name__, "-"])
                     totals[tiles] = math.nan
                     continue
                 err = rel_err(out, ref)
@@ -1123,7 +1130,8 @@ def attention_config_sweep(device, args) -> list[str]:
                 build = (f"{kernel.n_regs}/{kernel.n_spills}/{kernel.metadata.shared // 1024}K"
                          if device.type == "cuda" else "-")
                 totals[tiles] = totals.get(tiles, 0.0) + us
-                rows.append([str(N), "x".join(f"{x:g}" for x in tiles), str(splits), fmt(us), build, fmt_err(err)])
+                rows.append([str(N), str(prefix_len), "x".join(f"{x:g}" for x in tiles), str(splits), fmt(us), build,
+                             fmt_err(err)])
         del case_calls, out, ref  # the caches
     chosen = []
     for height, candidates in ATTENTION_CANDIDATES.items():
@@ -1131,9 +1139,9 @@ def attention_config_sweep(device, args) -> list[str]:
         if finite:
             attention_module.CUDA_TILES[height] = min(finite, key=totals.__getitem__)
         chosen.append("x".join(f"{x:g}" for x in attention_module.CUDA_TILES[height]))
-    return table(f"tree attention split-kernel parameters, B=1, prefix {prefix_len} (us, graph; m x n x warps x "
+    return table(f"tree attention split-kernel parameters, B=1 (us, graph; m x n x warps x "
                  f"stages x programs per SM x rescale slack; the tables use {', '.join(chosen)})",
-                 ["N", "parameters", "splits", "graph", "regs/spills/smem", "error vs torch fp32"], rows)
+                 ["N", "prefix", "parameters", "splits", "graph", "regs/spills/smem", "error vs torch fp32"], rows)
 
 
 def kv_commit_table(device, args, bandwidth: float) -> list[str]:
