@@ -1061,11 +1061,13 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list
 # The 64-row class also tries more warps in flight per SM, which ncu says the split kernel
 # lacks (stop 39: 2 warps per scheduler, tensor pipe 27 % busy): 8 warps on a 64-row tile
 # (half the accumulator's registers per thread), and 32-row tiles of 4 warps (mma.sync,
-# half the accumulator and Q; each K/V tile is then read by twice as many programs).
+# half the accumulator and Q; each K/V tile is then read by twice as many programs), each
+# also with K/V three tiles ahead (more bytes in flight per program: at a 1k prefix one
+# split walks its 32 tiles at ~2.5 us each, stop 37).
 ATTENTION_CANDIDATES = {
     128: [(128, 64, 8, 2, 1, 8.0), (128, 32, 8, 4, 1, 8.0), (128, 32, 8, 3, 1, 8.0), (128, 64, 8, 2, 1, -1.0)],
-    64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0), (64, 32, 8, 2, 2, 8.0), (32, 32, 4, 2, 2, 8.0),
-         (32, 16, 4, 3, 3, 8.0)],
+    64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0), (64, 32, 8, 2, 2, 8.0), (64, 32, 4, 3, 1, 8.0),
+         (32, 32, 4, 2, 2, 8.0), (32, 32, 4, 3, 2, 8.0), (32, 16, 4, 3, 3, 8.0)],
 }
 
 
