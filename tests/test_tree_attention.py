@@ -24,9 +24,11 @@ from triton_ops.tree_attention import (
 from triton_ops.tree_attention.attention import (
     MAX_SPLITS,
     SPLIT_TOLERANCE,
+    TILE_COST,
     KernelConfig,
     launch_tree_attention,
     split_count,
+    tile_height,
 )
 
 BACKENDS = ("torch", "triton")
@@ -338,6 +340,20 @@ def test_split_count_fills_whole_waves(num_sms):
     assert split_count(24, 132) == 11
     assert split_count(12, 132) == 11
     assert split_count(768, 132) == 1
+
+
+def test_tile_height_takes_the_cheaper_tiles():
+    """Row tiles of 128 unless 64-row tiles cost less at 1.5 a 128-row tile: the engine's
+    65-node tree (G = 6, 390 rows) takes four 128-row tiles, not seven of 64; small trees
+    and fp32 inputs take 64."""
+    assert tile_height(390, 2) == 128  # 4 x 1.5 = 6 < 7
+    assert tile_height(192, 2) == 128  # 3 = 3: the tie goes to 128
+    assert tile_height(48, 2) == 64  # 1.5 > 1
+    assert tile_height(6, 2) == 64
+    assert tile_height(390, 4) == 64  # fp32: a 128-row Q tile would not fit beside K / V
+    for rows in range(1, 800):
+        costs = {height: math.ceil(rows / height) * TILE_COST[height] for height in (64, 128)}
+        assert costs[tile_height(rows, 2)] == min(costs.values()), rows
 
 
 def random_case(gen):

@@ -1000,8 +1000,9 @@ def attention_timing_table(device, args, bandwidth: float, flops: float, deadlin
     not sit in L2 between calls), against the bytes and compute floors."""
     Hq, Hkv, D = (4, 2, 32) if args.smoke else (24, 4, 256)
     gen = torch.Generator().manual_seed(21)
-    # The issue's key shapes first, so that a run cut by the budget still has them.
-    key_shapes = [(1, 64, 32768), (1, 128, 32768)]
+    # The issue's key shapes and the engine's tree (65 nodes) first, so that a run cut by the
+    # budget still has them.
+    key_shapes = [(1, 64, 32768), (1, 128, 32768), (1, 65, 32768), (1, 65, 1024)]
     shapes = [(1, 16, 1024)] if args.smoke else key_shapes + [
         (B, N, prefix) for B in (1, 8, 32) for prefix in (1024, 8192, 32768) for N in (16, 32, 64, 128)
         if (B, N, prefix) not in key_shapes
@@ -1108,7 +1109,8 @@ def attention_config_sweep(device, args) -> list[str]:
     G = Hq // Hkv
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     rows, totals = [], {}
-    for N, prefix_len in ((32, long_prefix), (64, long_prefix), (128, long_prefix), (65, long_prefix // 32)):
+    for N, prefix_len in ((32, long_prefix), (64, long_prefix), (65, long_prefix), (128, long_prefix),
+                          (65, long_prefix // 32)):
         case_calls, out, ref = attention_sweep_case(gen, N, prefix_len, Hq, Hkv, D, device, args.smoke)
         for height, candidates in ATTENTION_CANDIDATES.items():
             for tiles in candidates:

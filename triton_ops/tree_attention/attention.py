@@ -83,6 +83,10 @@ MERGE_SPLITS_IN_FLIGHT = 16
 # twice as many programs: more L2 traffic). tools/bench_kernels.py --sweep times
 # the alternatives and overrides these for its tables.
 CUDA_TILES = {128: (128, 64, 8, 2, 1, RESCALE_SLACK), 64: (64, 32, 4, 2, 2, RESCALE_SLACK)}
+# Time of one row tile of each height relative to a 64-row tile's, over the same keys: a
+# 128-row tile feeds each K/V tile to twice the rows (H100, B = 1, prefix 32k: 55.4 against
+# 35.6 us per tile at 64 and 128 nodes; BENCHMARKS.md, "Stop 40", the split sweep).
+TILE_COST = {128: 1.5, 64: 1.0}
 
 
 @dataclass(frozen=True)
@@ -434,9 +438,8 @@ def _tree_attention_merge_kernel(
 def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
     """Launch parameters of the split kernel for ``q``'s shape and device.
 
-    CUDA: rows come in tiles of 128 (:data:`CUDA_TILES`) unless 64-row tiles pad
-    fewer rows (G = 6, N = 32: 192 rows, three 64-row tiles instead of two of 128)
-    or the inputs are fp32; key tiles keep the bytes of 16-bit D = 256 tiles; the
+    CUDA: rows come in tiles of the height :func:`tile_height` picks
+    (:data:`CUDA_TILES`); key tiles keep the bytes of 16-bit D = 256 tiles; the
     split count then fills whole waves of the SMs.
     """
     B, N, Hq, D = q.shape
@@ -445,9 +448,7 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
         # The interpreter: small tiles keep it fast, and three splits exercise the merge.
         block_m = min(32, dot_block(rows))
         return KernelConfig(block_m, 16, 4, 1, 16, 3)
-    height = 64 if triton.cdiv(rows, 64) * 64 < triton.cdiv(rows, 128) * 128 else 128
-    if q.element_size() > 2:
-        height = 64  # a 128-row fp32 Q tile alone takes 128 KB at D = 256
+    height = tile_height(rows, q.element_size())
     block_m, block_n, num_warps, num_stages, per_sm, slack = CUDA_TILES[height]
     # The tiles are sized for 16-bit D = 256: keep the bytes of a K/V tile (fp32
     # multiplies on the FMA units, whose operands take registers: at most 32 keys).
@@ -458,6 +459,16 @@ def kernel_config(q: torch.Tensor, num_kv_heads: int) -> KernelConfig:
     num_splits = split_count(programs_per_split, num_sms * per_sm)
     return KernelConfig(block_m, block_n, num_warps, num_stages, 2 * block_n, num_splits, per_sm,
                         slack)
+
+
+def tile_height(rows: int, element_size: int) -> int:
+    """Row-tile height for ``rows`` query rows a KV head: the one whose tiles cost least
+    (:data:`TILE_COST`), 128 on a tie. The engine's 65-node tree of 6-head groups (390
+    rows) takes four 128-row tiles (cost 6) rather than seven of 64 (cost 7), though they
+    pad more rows. fp32 inputs take 64: a 128-row fp32 Q tile alone is 128 KB at D = 256."""
+    if element_size > 2:
+        return 64
+    return min((128, 64), key=lambda height: triton.cdiv(rows, height) * TILE_COST[height])
 
 
 def split_count(programs_per_split: int, slots: int, max_splits: int = MAX_SPLITS) -> int:
