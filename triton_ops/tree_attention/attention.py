@@ -19,8 +19,7 @@ CUDA runs two kernels (flash-decoding):
 - ``_tree_attention_merge_kernel``: per small block of rows and block of value
   columns, attention to the tree keys (at most N) under the ancestor mask, folded
   together with the prefix partials into the output. The logits take the whole
-  head dimension, so each column block recomputes them (N keys: cheap); the
-  column split is what gives a 65-node tree enough programs to fill the GPU.
+  head dimension, so each column block recomputes them (N keys: cheap).
 
 The split count depends on shapes only and chunks past a short prefix stay
 idle, so nothing waits on the host and the launch is graph-safe.
@@ -69,7 +68,8 @@ RESCALE_SLACK = 8.0
 MERGE_ROWS = 16
 # Value columns of one merge program: at D = 256 four programs share a row block, so a
 # 65-node tree of 24 / 4 heads runs 400 merge programs, not 100 (0.38 of a wave at 6 %
-# occupancy on an H100: BENCHMARKS.md, "Stop 39", the merge under ncu).
+# occupancy under ncu, stop 39). The op gains 0.5-3 % (H100; BENCHMARKS.md, "Stop 40");
+# 32 columns recompute the tree logits too often and lose.
 MERGE_COLUMNS = 64
 # Prefix partials the merge kernel loads at once: its split loop unrolls this many and
 # runs ceil(num_splits / it) times, so one compiled merge kernel serves every split count
