@@ -1059,12 +1059,11 @@ def markdown_table(title: str, header: list[str], rows: list[list[str]]) -> list
 # programs_per_sm, rescale_slack): the defaults first, then 32-key tiles with K/V two or
 # three tiles ahead (164 / 192 KB of shared memory on sm_90), the textbook rescale every
 # tile, and 16-key tiles two ahead for 64-row tiles (82 KB: still two programs per SM).
-# The 64-row class also tries more warps in flight per SM, which ncu says the split kernel
-# lacks (stop 39: 2 warps per scheduler, tensor pipe 27 % busy): 8 warps on a 64-row tile
-# (half the accumulator's registers per thread), and 32-row tiles of 4 warps (mma.sync,
-# half the accumulator and Q; each K/V tile is then read by twice as many programs), each
-# also with K/V three tiles ahead (more bytes in flight per program: at a 1k prefix one
-# split walks its 32 tiles at ~2.5 us each, stop 37).
+# The 64-row class also tries more warps in flight per SM, which stop 39's ncu profile
+# named as the split kernel's lack: 8 warps on a 64-row tile (half the accumulator's
+# registers per thread), 32-row tiles of 4 warps (mma.sync, half the accumulator and Q;
+# each K/V tile read by twice as many programs), and K/V three tiles ahead. On the H100
+# all of them lost, by 1.1-2.6x at 32k (BENCHMARKS.md, "Stop 40").
 ATTENTION_CANDIDATES = {
     128: [(128, 64, 8, 2, 1, 8.0), (128, 32, 8, 4, 1, 8.0), (128, 32, 8, 3, 1, 8.0), (128, 64, 8, 2, 1, -1.0)],
     64: [(64, 32, 4, 2, 2, 8.0), (64, 16, 4, 3, 2, 8.0), (64, 32, 8, 2, 2, 8.0), (64, 32, 4, 3, 1, 8.0),
@@ -1116,6 +1115,7 @@ def attention_config_sweep(device, args) -> list[str]:
             for tiles in candidates:
                 block_m, block_n, warps, stages, per_sm, slack = tiles
                 splits = split_count(-(-N * G // block_m) * Hkv, num_sms * per_sm)
+                row = [str(N), str(prefix_len), "x".join(f"{x:g}" for x in tiles), str(splits)]
                 config = KernelConfig(block_m, block_n, warps, stages, 2 * block_n, splits, per_sm, slack)
                 calls = case_calls(config)
                 try:
@@ -1123,8 +1123,7 @@ def attention_config_sweep(device, args) -> list[str]:
                     kernel = calls[0]()
                 except Exception as exc:  # noqa: BLE001 - a config may not fit in shared memory
                     print(f"attention sweep {tiles}: {type(exc).__name__}: {exc}"[:400], flush=True)
-                    rows.append([str(N), str(prefix_len), "x".join(f"{x:g}" for x in tiles), str(splits), "-",
-                                 type(exc).__name__, "-"])
+                    rows.append([*row, "-", type(exc).__name__, "-"])
                     totals[tiles] = math.nan
                     continue
                 err = rel_err(out, ref)
@@ -1134,8 +1133,7 @@ def attention_config_sweep(device, args) -> list[str]:
                 build = (f"{kernel.n_regs}/{kernel.n_spills}/{kernel.metadata.shared // 1024}K"
                          if device.type == "cuda" else "-")
                 totals[tiles] = totals.get(tiles, 0.0) + us
-                rows.append([str(N), str(prefix_len), "x".join(f"{x:g}" for x in tiles), str(splits), fmt(us), build,
-                             fmt_err(err)])
+                rows.append([*row, fmt(us), build, fmt_err(err)])
         del case_calls, out, ref  # the caches
     chosen = []
     for height, candidates in ATTENTION_CANDIDATES.items():
