@@ -127,6 +127,31 @@ def test_on_v2_the_plugins_rule_follows_a_schedule_the_user_gave():
     assert all(lookup[n] == options.step_budget(n) for n in range(1, MAX_SEQS + 1))
 
 
+def test_on_v2_the_engine_is_sized_to_the_largest_k_its_rule_drafts():
+    # V2 warms up with num_speculative_tokens drafts; the speculator captures the rule's ks.
+    default = default_budget_table(127)
+    assert max(budget for _, budget in default) == 64  # 128 nodes do not fit the step tokens
+    spec = {"method": "dflash", "num_speculative_tokens": 127}
+    options = batch_size_budgets(_options(budget=127), spec, "v2")
+    assert options == _options(budget=64, budget_by_batch=default)
+    assert spec["num_speculative_tokens"] == 64
+    assert spec[BATCH_SCHEDULE_KEY] == batch_size_schedule(default, 127)
+    config = SimpleNamespace(num_speculative_tokens=64,
+                             num_speculative_tokens_per_batch_size=spec[BATCH_SCHEDULE_KEY])
+    assert round_budgets(config, MAX_SEQS)[-1] == 64
+    lookup = _lookup(spec[BATCH_SCHEDULE_KEY], 64)
+    assert all(lookup[n] == options.step_budget(n) for n in range(1, MAX_SEQS + 1))
+    spec = {"method": "dflash", "num_speculative_tokens": 64}  # one k under the budget: static
+    options = batch_size_budgets(_options(budget_by_batch=((MAX_BATCH, 16),)), spec, "v2")
+    assert (options.budget, spec["num_speculative_tokens"]) == (16, 16)
+    assert BATCH_SCHEDULE_KEY not in spec
+    user = [[1, 4, 32], [5, 64, 8]]
+    spec = {"method": "dflash", "num_speculative_tokens": 64, BATCH_SCHEDULE_KEY: user}
+    options = batch_size_budgets(_options(), spec, "v2")
+    assert (options.budget, spec["num_speculative_tokens"]) == (32, 32)
+    assert options.budget_by_batch == ((4, 32), (64, 8))
+
+
 def test_both_rules_given_is_an_error_naming_both_fields():
     spec = {"method": "dflash", BATCH_SCHEDULE_KEY: [(1, 8, 16)]}
     with pytest.raises(ValueError, match=f"'budget_by_batch' and '{BATCH_SCHEDULE_KEY}'"):

@@ -132,6 +132,7 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
                 "speculative_config['budget_by_batch']")
         return options
     if user_schedule is None:
+        options = sized_to_rule(options, vllm_spec)
         schedule = batch_size_schedule(options.budget_table, options.budget)
         # A rule of one budget is vLLM's static num_speculative_tokens: no schedule, so
         # its scheduler keeps padding new decodes to the uniform length.
@@ -153,8 +154,25 @@ def batch_size_budgets(options: TfmOptions, vllm_spec: dict, runner: str) -> Tfm
             f"speculative_config['{BATCH_SCHEDULE_KEY}']: every k must be in [1, "
             f"num_speculative_tokens = {options.budget}] with method '{METHOD}' (a tree "
             f"step drafts at least one node), got {user_schedule!r}")
-    return dataclasses.replace(
-        options, budget_by_batch=budget_table_from_schedule(schedule, options.budget))
+    return sized_to_rule(dataclasses.replace(
+        options, budget_by_batch=budget_table_from_schedule(schedule, options.budget)), vllm_spec)
+
+
+def sized_to_rule(options: TfmOptions, vllm_spec: dict) -> TfmOptions:
+    """The options with ``budget`` (and vLLM's ``num_speculative_tokens``) lowered to the
+    largest k the budget rule drafts, and the rule kept as an explicit table.
+
+    Model runner V2 warms up and profiles memory with steps of num_speculative_tokens
+    drafts, while the tree speculator captures a draft round for each k of the rule
+    only: with ``num_speculative_tokens`` = 127 the default rule (at most 64: a 128-node
+    tree does not fit DEFAULT_STEP_TOKENS) left the warm-up drafting a k no round
+    holds. num_speculative_tokens is the most a step may draft, so an engine sized for
+    the rule's largest k serves the same steps with smaller buffers."""
+    largest = max(options.step_budgets)
+    if largest == options.budget:
+        return options
+    vllm_spec["num_speculative_tokens"] = largest
+    return dataclasses.replace(options, budget=largest, budget_by_batch=options.budget_table)
 
 
 def _check_engine_args(engine_args) -> None:
