@@ -205,15 +205,6 @@ def speculative_config(method: str, models: dict, max_budget: int,
     return config
 
 
-# Tokens a step schedules at most. Model runner V2's warm-up steps run
-# max_num_batched_tokens // (2 + k) requests (at most max_num_seqs) of 1 + k tokens with
-# sampling on, k = num_speculative_tokens: at 8192 a 64-node rule engine warmed up 32
-# requests of 65 rows, whose [rows, vocabulary] fp32 verifier copies (~2 GiB each) ran an
-# H100 out of memory beside 55 GiB of weights and a fixed KV budget (2026-12-07), although
-# its steps at 32 requests draft 17-node trees. Prompts prefill in chunks of this size.
-PREFILL_CHUNK = 1024
-
-
 def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
@@ -223,7 +214,13 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     tests' CPU settings; one engine for the largest batch and the longest context. The
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
-    runs a batch's draft round eagerly)."""
+    runs a batch's draft round eagerly). A step schedules at most a prompt and the
+    largest decode step: model runner V2's warm-up runs max_num_batched_tokens // (2 + k)
+    requests (at most max_num_seqs) of 1 + k sampled rows, k = num_speculative_tokens,
+    and at 8192 tokens a 64-node rule engine warmed up 32 requests of 65 rows, whose
+    [rows, vocabulary] fp32 verifier copies (~2 GiB each) ran an H100 out of memory
+    beside 55 GiB of weights and 11 GiB of KV (2026-12-07), although its steps at 32
+    requests draft 17-node trees."""
     max_model_len = max(shapes.contexts) + 1024
     batches = shapes.batches + (shapes.long_batches or ())
     common = dict(max_model_len=max_model_len, max_num_seqs=max(batches),
@@ -240,7 +237,7 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
-            "load_format": "dummy", "max_num_batched_tokens": max(PREFILL_CHUNK, sizes[-1]),
+            "load_format": "dummy", "max_num_batched_tokens": max(shapes.contexts) + sizes[-1],
             "gpu_memory_utilization": 0.95}
 
 
