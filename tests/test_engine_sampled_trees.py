@@ -17,6 +17,7 @@ import torch
 from vllm_tfm.drafting.draft_round import CandidatePools, draft_trees_per_request
 from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
 from vllm_tfm.options import AUTO_SAMPLED_TREE_MIN_TEMPERATURE, TfmOptions
+from vllm_tfm.vllm_glue import verify as engine_verify
 from vllm_tfm.vllm_glue.verify import sampled_tree_requests, verify_trees
 
 
@@ -45,8 +46,12 @@ def test_which_requests_get_sampled_trees(tree, verify, expected):
     assert sampled_tree_requests(options, None, 2) == [False] * 2
 
 
+@pytest.mark.parametrize("scratch", [False, True])
 @pytest.mark.parametrize("mode", ["auto", "target_only", "traversal"])
-def test_each_request_takes_its_own_verifier(mode, gen):
+def test_each_request_takes_its_own_verifier(mode, scratch, gen, monkeypatch):
+    # scratch: model runner V2's call, one float32 tensor for both, turned into the
+    # probabilities in place, two rows at a time here.
+    monkeypatch.setattr(engine_verify, "SOFTMAX_CHUNK_BYTES", 2 * 4 * 9)
     R, D, P, V, budget = 6, 3, 4, 9, 7
     ids = torch.stack([torch.stack([torch.randperm(V, generator=gen)[:P] for _ in range(D)])
                        for _ in range(R)])
@@ -58,7 +63,10 @@ def test_each_request_takes_its_own_verifier(mode, gen):
     tree = draft_trees_per_request("ddtree", roots, pools, budget, sampled, seeds + 5)
     logits = torch.randn(R, budget + 1, V, generator=gen, dtype=torch.float64).float()
     probs = torch.softmax(logits, -1)
-    result = verify_trees(tree, logits, logits, is_greedy, np.array(sampled), seeds, mode)
+    work = logits.clone()
+    result = verify_trees(tree, work, work, is_greedy, np.array(sampled), seeds, mode,
+                          scratch=scratch)
+    assert torch.equal(work, probs if scratch else logits)
     plain = replace(tree, pool_ids=None, proposal_logq=None)
     deterministic = verify_traversal if mode == "traversal" else verify_target_only
     for r in range(R):

@@ -129,10 +129,10 @@ def _random_params(generator, prompt, output):
     return sampling
 
 
-def _batch(v2, generator, num_reqs, budget=6, depth=3):
+def _batch(v2, generator, num_reqs, budget=6, depth=3, logprobs_mode="raw_logprobs"):
     """A V2 sampler holding ``num_reqs`` random requests, their trees, raw node logits and
     root positions."""
-    sampler, requests = _sampler(v2)
+    sampler, requests = _sampler(v2, logprobs_mode)
     slots = torch.randperm(SLOTS, generator=generator)[:num_reqs].to(torch.int32)
     prefix = []
     for slot in slots.tolist():
@@ -357,22 +357,25 @@ def _tree_decode_step(tree, slots, prefix, sampled=None):
     return store, step, state, batch
 
 
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
-        v2, gen, monkeypatch):
+        v2, gen, monkeypatch, mode):
+    # The processed rows become the probabilities in place unless the logprobs read them.
     from vllm_tfm.vllm_glue.v2 import model_state
     from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
 
     monkeypatch.setattr(model_state, "get_num_sampled_and_rejected",
                         v2.input_batch.get_num_sampled_and_rejected)
-    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3)
+    sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3, logprobs_mode=mode)
     sampler.sampling_states.num_logprobs[int(slots[1])] = 2
     rows, width = tree.tokens.shape
     store, step, state, batch = _tree_decode_step(tree, slots, prefix)
     out = model_state.TreeRejectionSampler(state, sampler)(raw.flatten(0, 1), batch)
 
     stored = store.gather(slots)
+    reference_rows = _chain_reference(sampler, stored, raw, slots, prefix)
     expected = verify_batch(
-        stored, _chain_reference(sampler, stored, raw, slots, prefix),
+        stored, reference_rows.clone(),
         sampler.sampling_states.temperature.np[slots.numpy()], np.zeros(rows, dtype=bool),
         step_seeds(sampler.sampling_states.seeds.gpu[slots], prefix), "auto")
     assert torch.equal(out.sampled_token_ids, sampled_tokens(expected, width))
@@ -381,12 +384,13 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
     assert out.num_rejected.tolist() == (width - 1 - expected.accepted_len).tolist()
     logprobs = out.logprobs_tensors
     assert logprobs.logprobs.shape == (rows * width, 3)
-    for k in range(int(expected.accepted_len[1]) + 1):  # raw_logprobs: the target's rows
+    scored = raw if mode == "raw_logprobs" else reference_rows
+    for k in range(int(expected.accepted_len[1]) + 1):
         node = int(expected.path[1, k])
         token = int(out.sampled_token_ids[1, k])
         row = width + k
         assert int(logprobs.logprob_token_ids[row, 0]) == token
-        reference = torch.log_softmax(raw[1, node].double(), -1)[token].float()
+        reference = torch.log_softmax(scored[1, node].double(), -1)[token].float()
         torch.testing.assert_close(logprobs.logprobs[row, 0], reference, rtol=1e-5, atol=1e-5)
 
 

@@ -236,10 +236,17 @@ class TreeRejectionSampler:
         processed = process_node_rows(
             sampler, raw.flatten(0, 1), tree, step.prefix_lens, slots, slots_np).view_as(raw)
         sampling = sampler.sampling_states
+        num_logprobs = sampling.max_num_logprobs(slots_np)
+        mode = sampler.logprobs_mode
+        # process_node_rows' own float32 copy (not the logits) may become the
+        # probabilities, unless the logprobs below read it.
+        own_copy = processed.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()
+        scratch = (own_copy and processed.dtype == torch.float32 and processed.is_contiguous()
+                   and (num_logprobs == NO_LOGPROBS or mode not in PROCESSED_LOGPROBS_MODES))
         result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
                               sampled_tree,
                               step_seeds(sampling.seeds.gpu[slots], step.prefix_lens),
-                              state.engine.verify)
+                              state.engine.verify, scratch)
         step.accepted_leaf = result.accepted_leaf
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens,
@@ -247,9 +254,7 @@ class TreeRejectionSampler:
             sampler.req_states.prefill_len.gpu)
         sampled = sampled_tokens(result, state.num_nodes)
         logprobs = None
-        num_logprobs = sampling.max_num_logprobs(slots_np)
         if num_logprobs != NO_LOGPROBS:
-            mode = sampler.logprobs_mode
             scored = processed if mode in PROCESSED_LOGPROBS_MODES else raw
             logprobs = path_logprobs(
                 scored.float(), result.path, sampled,

@@ -33,15 +33,18 @@ def step_seeds(request_seeds: torch.Tensor, prefix_lens: torch.Tensor) -> torch.
 
 
 def verify_batch(tree: DraftTree, processed: torch.Tensor, temperature: np.ndarray,
-                 sampled_tree: np.ndarray, seeds: torch.Tensor, verify: str) -> VerifyResult:
+                 sampled_tree: np.ndarray, seeds: torch.Tensor, verify: str,
+                 scratch: bool = False) -> VerifyResult:
     """Accept one path per request of ``tree`` ([R, N]) against ``processed`` [R, N, V], the
     node logits after V2's sampling processing (temperature included; ``temperature`` [R]
     on the host, V2's ``SamplingStates.temperature.np`` of the batch's slots, 0 = greedy:
     the argmax of the processed row, as V2's chain verifier takes it). ``sampled_tree`` [R]
     on the host: the request's tree was sampled (``SlotTrees.sampled``); ``verify``: the
-    option."""
+    option; ``scratch``: ``processed`` is the caller's float32 copy, read no more after
+    (``verify_trees``)."""
     greedy, mode = verify_option(verify, temperature < _GREEDY_TEMPERATURE_EPS)
-    return verify_trees(tree, processed, processed, greedy, sampled_tree, seeds, mode)
+    return verify_trees(tree, processed, processed, greedy, sampled_tree, seeds, mode,
+                        scratch=scratch)
 
 
 def sampled_tokens(result: VerifyResult, width: int) -> torch.Tensor:
