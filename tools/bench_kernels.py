@@ -1128,7 +1128,7 @@ def attention_config_sweep(device, args) -> list[str]:
                     continue
                 err = rel_err(out, ref)
                 if not err < 1e-2:
-                    args.failed.append(f"attention sweep {tiles} N={N}")
+                    args.failed.append(f"attention sweep {tiles} N={N} prefix {prefix_len}")
                 us = time_graph(calls, device)
                 build = (f"{kernel.n_regs}/{kernel.n_spills}/{kernel.metadata.shared // 1024}K"
                          if device.type == "cuda" else "-")
