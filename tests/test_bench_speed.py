@@ -44,6 +44,19 @@ def test_cuda_engines_capture_full_decode_graphs_with_or_without_torch_compile(c
     assert rule["compilation_config"]["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 136]
 
 
+def test_vllm_defaults_leave_memory_and_scheduling_to_vllm():
+    shapes = dataclasses.replace(speed.SHAPES["qwen3.6-27b"], batches=(1, 8),
+                                 contexts=(1024,), memory_bytes=None)
+    kwargs = speed.engine_kwargs(shapes, "v2", query_lens=lambda batch: (65,))
+    for name in ("kv_cache_memory_bytes", "gpu_memory_utilization", "max_num_seqs",
+                 "max_num_batched_tokens"):
+        assert name not in kwargs
+    config = kwargs["compilation_config"]
+    assert "cudagraph_capture_sizes" not in config and "max_cudagraph_capture_size" not in config
+    assert config["cudagraph_mode"] == "FULL_DECODE_ONLY" and kwargs["load_format"] == "dummy"
+    assert kwargs["max_model_len"] == 2048
+
+
 def test_stated_tau_by_regime():
     ours = speed.ours_taus()
     assert ours[("chain", 15)] == pytest.approx(1.93, abs=0.01)
@@ -132,6 +145,10 @@ def test_report_writes_the_table_and_the_json(tmp_path):
     assert "| 1024 | 1 | dflash_tfm weaver 64 | 25.00 |" in text
     assert "| 1024 | 8 (of 32) | vllm dflash (15) | 35.00 |" in text
     assert "| vllm dflash (15) | 4.0 (0) | 16 | 0.50 |" in text
+    # vLLM's defaults: each engine sizes its own KV, no fixed budget to divide.
+    text = speed.report(results, dataclasses.replace(shapes, memory_bytes=None), "header",
+                        tmp_path)
+    assert "| method (vLLM's defaults) |" in text and "| vllm dflash (15) | 4.0 | 16 |" in text
     saved = json.loads((tmp_path / "bench_speed.json").read_text())
     assert len(saved["rows"]) == 8 and saved["shapes"]["contexts"] == [1024]
     assert (tmp_path / "bench_speed.md").read_text().startswith("header")

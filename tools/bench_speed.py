@@ -46,7 +46,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="batches at the contexts past the shortest (default: --batches)")
     parser.add_argument("--budgets", nargs="+", type=int)
     parser.add_argument("--steps", type=int)
-    parser.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
+    memory = parser.add_mutually_exclusive_group()
+    memory.add_argument("--memory-gib", type=float, help="the fixed KV / state budget")
+    memory.add_argument("--vllm-defaults", action="store_true",
+                        help="no fixed budget: the KV sized by vLLM's memory profile at its "
+                             "default gpu_memory_utilization, and vLLM's max_num_seqs, "
+                             "max_num_batched_tokens and capture sizes (a user's engine)")
     parser.add_argument("--temperature", type=float,
                         help="every request's temperature (default 0, greedy; above 0 each "
                              "request is seeded)")
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["steps"] = args.steps
     if args.memory_gib:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
+    if args.vllm_defaults:
+        narrowed["memory_bytes"] = None
     if args.temperature is not None:
         narrowed["temperature"] = args.temperature
     if args.compilation:

@@ -84,7 +84,10 @@ class Shapes:
     batches: tuple[int, ...]
     budgets: tuple[int, ...]
     steps: int  # measured steps per cell
-    memory_bytes: int  # the fixed KV / state budget every engine gets
+    # The fixed KV / state budget every engine gets; None: vLLM's defaults instead (the KV
+    # sized by its memory profile at gpu_memory_utilization 0.9, its max_num_seqs,
+    # max_num_batched_tokens and graph capture sizes): the engine a user starts.
+    memory_bytes: int | None
     # Batches at the contexts past the shortest (prefill and KV grow with the context);
     # None: ``batches``.
     long_batches: tuple[int, ...] | None = None
@@ -223,9 +226,11 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     requests draft 17-node trees."""
     max_model_len = max(shapes.contexts) + 1024
     batches = shapes.batches + (shapes.long_batches or ())
-    common = dict(max_model_len=max_model_len, max_num_seqs=max(batches),
-                  skip_tokenizer_init=True, kv_cache_memory_bytes=shapes.memory_bytes,
+    fixed = shapes.memory_bytes is not None
+    common = dict(max_model_len=max_model_len, skip_tokenizer_init=True,
                   disable_log_stats=False)
+    if fixed:
+        common.update(max_num_seqs=max(batches), kv_cache_memory_bytes=shapes.memory_bytes)
     if shapes.name == "tiny":
         from vllm_tfm.tiny.engine_runs import CPU_ENGINE_KWARGS
 
@@ -233,11 +238,18 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     from vllm_tfm.tiny.gpu_checks import CUDA_GRAPH_SETTINGS, ENGINE_KWARGS
 
     graphs = CUDA_GRAPH_SETTINGS[GRAPH_SETTING[shapes.compilation]]
+    engine = {**ENGINE_KWARGS, **graphs, **common, "load_format": "dummy"}
+    if not fixed:  # the harness's settings kept, vLLM's memory and scheduling defaults
+        for name in ("max_num_seqs", "kv_cache_memory_bytes", "gpu_memory_utilization"):
+            engine.pop(name, None)
+        compilation = dict(graphs["compilation_config"])
+        compilation.pop("max_cudagraph_capture_size", None)
+        return {**engine, "compilation_config": compilation}
     sizes = sorted({b * m for b in batches for m in (1, 1 + DFLASH_DRAFT_DEPTH, *query_lens(b))})
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
-    return {**ENGINE_KWARGS, **graphs, "compilation_config": compilation, **common,
-            "load_format": "dummy", "max_num_batched_tokens": max(shapes.contexts) + sizes[-1],
+    return {**engine, "compilation_config": compilation,
+            "max_num_batched_tokens": max(shapes.contexts) + sizes[-1],
             "gpu_memory_utilization": 0.95}
 
 
@@ -677,11 +689,15 @@ def clocks_label(clocks: dict | None) -> str:
             f"{clocks['power_w']:.0f} W{reasons}")
 
 
-def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: int) -> str:
-    """Requests that fit ``memory_bytes`` at each context (MiB per request beside), GDN
-    state blocks per request and per layer, and the state page (one layer's GDN state,
-    conv state included: vLLM sizes its conv window with num_speculative_tokens)."""
-    lines = [f"| method ({memory_bytes / (1 << 30):.2f} GiB of KV / state) | "
+def memory_table(results: list[dict], contexts: tuple[int, ...],
+                 memory_bytes: int | None) -> str:
+    """Requests that fit ``memory_bytes`` (None: each engine's own KV / state allocation,
+    vLLM's defaults) at each context (MiB per request beside, where the budget is fixed),
+    GDN state blocks per request and per layer, and the state page (one layer's GDN
+    state, conv state included: vLLM sizes its conv window with num_speculative_tokens)."""
+    budget = ("vLLM's defaults" if memory_bytes is None
+              else f"{memory_bytes / (1 << 30):.2f} GiB of KV / state")
+    lines = [f"| method ({budget}) | "
              + " | ".join(f"requests at {c} (MiB each)" for c in contexts)
              + " | GDN state blocks per request and layer | state page MiB |",
              "|---|" + "--:|" * len(contexts) + "--:|--:|"]
@@ -694,7 +710,8 @@ def memory_table(results: list[dict], contexts: tuple[int, ...], memory_bytes: i
         for context in contexts:
             fits = memory["concurrency"].get(str(context))
             cells.append("-" if fits is None else
-                         f"{fits:.1f} ({memory_bytes / fits / (1 << 20):.0f})")
+                         f"{fits:.1f}" + ("" if memory_bytes is None else
+                                          f" ({memory_bytes / fits / (1 << 20):.0f})"))
         lines.append(f"| {engine_label(result)} | " + " | ".join(cells)
                      + f" | {per_request} | {page} |")
     return "\n".join(lines)
