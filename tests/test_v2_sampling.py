@@ -357,10 +357,12 @@ def _tree_decode_step(tree, slots, prefix, sampled=None):
     return store, step, state, batch
 
 
+@pytest.mark.parametrize("chunk_requests", [None, 1, 2])
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
 def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logprobs(
-        v2, gen, monkeypatch, mode):
+        v2, gen, monkeypatch, mode, chunk_requests):
     # The processed rows become the probabilities in place unless the logprobs read them.
+    # chunk_requests: requests verified at a time (None: the whole batch at once).
     from vllm_tfm.vllm_glue.v2 import model_state
     from vllm_tfm.vllm_glue.v2.verify import sampled_tokens, step_seeds, verify_batch
 
@@ -369,6 +371,10 @@ def test_tree_rejection_sampler_verifies_processed_nodes_and_returns_path_logpro
     sampler, _, slots, tree, raw, prefix = _batch(v2, gen, 3, logprobs_mode=mode)
     sampler.sampling_states.num_logprobs[int(slots[1])] = 2
     rows, width = tree.tokens.shape
+    if chunk_requests is not None:
+        monkeypatch.setattr(model_state, "VERIFY_CHUNK_BYTES",
+                            chunk_requests * 4 * width * raw.shape[-1])
+        assert len(model_state.request_chunks(rows, width, raw.shape[-1])) == -(-rows // chunk_requests)
     store, step, state, batch = _tree_decode_step(tree, slots, prefix)
     out = model_state.TreeRejectionSampler(state, sampler)(raw.flatten(0, 1), batch)
 
@@ -444,14 +450,21 @@ def _verify_reading_nothing_back(sampler, tree, raw, slots, prefix, monkeypatch,
     return out, step
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("params", [_greedy, _sampled_with_every_processor])
-def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params):
+def test_tree_verification_reads_nothing_back_from_the_device(v2, gen, monkeypatch, params,
+                                                              chunked):
     """V2's tree rejection sampler makes no host read (no_host_reads: each would be a
     device sync on CUDA) over a greedy batch, nor over a sampled one running every
-    processor of V2's sampler; its paths are the reference verifier's."""
+    processor of V2's sampler, whole or a request group at a time (``chunked``: groups of
+    three and one); its paths are the reference verifier's."""
+    from vllm_tfm.vllm_glue.v2 import model_state
     from vllm_tfm.vllm_glue.v2.verify import step_seeds, verify_batch
 
     sampler, requests, slots, tree, raw, prefix = _batch(v2, gen, 4)
+    if chunked:
+        monkeypatch.setattr(model_state, "VERIFY_CHUNK_BYTES",
+                            3 * 4 * tree.max_nodes * raw.shape[-1])
     for r, slot in enumerate(slots.tolist()):
         history = requests.all_token_ids.gpu[slot, : int(prefix[r]) + 1].tolist()
         _add(sampler, requests, slot, history[:1], history[1:], params())

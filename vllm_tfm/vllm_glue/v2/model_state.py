@@ -30,10 +30,12 @@ from vllm.config.model import PROCESSED_LOGPROBS_MODES
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.worker.gpu.input_batch import get_num_sampled_and_rejected
 from vllm.v1.worker.gpu.metrics.logits import get_num_nans
+from vllm.v1.outputs import LogprobsTensors
 from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
+from vllm_tfm.drafting.verifiers import VerifyResult
 from vllm_tfm.vllm_glue.commit import (
     attention_layers_by_group,
     commit_gdn_records,
@@ -204,11 +206,36 @@ def graphed_steps_by_length(budgets: tuple[int, ...], conv_width: int,
     return {1 + k: GraphedTreeSteps(1 + k, conv_width, device) for k in budgets}
 
 
+# Bytes of float32 node rows (processing, probabilities, logprobs) a verification pass
+# holds at a time: a batch past it is verified a group of requests at a time. V2's warm-up
+# verifies max_num_batched_tokens // (2 + k) requests of 1 + k rows, which our budget rule
+# never schedules (252 x 65 rows at the LLM class's 16384 tokens: 16 GB of float32 copies
+# over a 248k vocabulary, beyond what vLLM's memory profile of one row per request left).
+VERIFY_CHUNK_BYTES = 1 << 30
+
+
+def request_chunks(num_reqs: int, width: int, vocab: int) -> list[slice]:
+    """Consecutive groups of requests whose [requests, width, vocab] float32 rows fit
+    ``VERIFY_CHUNK_BYTES`` (at least one request a group)."""
+    size = max(1, VERIFY_CHUNK_BYTES // (4 * width * vocab))
+    return [slice(first, min(first + size, num_reqs)) for first in range(0, num_reqs, size)]
+
+
+def concat_results(results: list[VerifyResult]) -> VerifyResult:
+    """The results of consecutive request groups as one batch's."""
+    if len(results) == 1:
+        return results[0]
+    return VerifyResult(*(torch.cat(parts) for parts in zip(
+        *((r.accepted_leaf, r.accepted_len, r.path, r.bonus_token, r.output_tokens)
+          for r in results))))
+
+
 class TreeRejectionSampler:
     """V2's rejection-sampler seam (``sampler(logits, input_batch, draft_logits,
     invalid_drafts) -> SamplerOutput``), verifying the step's trees: every node row through
     V2's sampling processing over its own path (``node_processing``), then the tree
-    verifiers, then logprobs along the accepted path."""
+    verifiers, then logprobs along the accepted path; a group of requests at a time
+    (``request_chunks``), so a batch's float32 copies stay bounded."""
 
     # V2's warm-up switches adaptive verification off and back on; trees have none.
     enable_adaptive_verification = False
@@ -230,36 +257,67 @@ class TreeRejectionSampler:
         trees = state.engine.trees
         sampled_tree = trees.sampled_rows(slots_np)
         tree = trees.gather(slots, draws=bool(sampled_tree.any()), num_nodes=step.meta.num_nodes)
-        width = tree.max_nodes
-        raw = node_logits(logits, input_batch.cu_num_logits[1:], step.meta.num_nodes, width,
-                          full=bool((step.num_nodes_host == width).all()))
-        processed = process_node_rows(
-            sampler, raw.flatten(0, 1), tree, step.prefix_lens, slots, slots_np).view_as(raw)
         sampling = sampler.sampling_states
         num_logprobs = sampling.max_num_logprobs(slots_np)
+        seeds = step_seeds(sampling.seeds.gpu[slots], step.prefix_lens)
+        groups = request_chunks(num_reqs, tree.max_nodes, logits.shape[-1])
+        chunks = [self._verify_requests(
+            rows, logits, input_batch,
+            tree if len(groups) == 1 else tree.select(torch.arange(rows.start, rows.stop)),
+            sampled_tree[rows], seeds[rows], num_logprobs) for rows in groups]
+        results, num_sampled, num_rejected, logprobs = zip(*chunks)
+        result = concat_results(list(results))
+        step.accepted_leaf = result.accepted_leaf
+        num_sampled, num_rejected = torch.cat(num_sampled), torch.cat(num_rejected)
+        if num_logprobs != NO_LOGPROBS:
+            expanded = int(input_batch.cu_num_logits_np[num_reqs]) != num_reqs
+            logprobs = LogprobsTensors(
+                *(torch.cat(parts) for parts in zip(*(part[:3] for part in logprobs))),
+                cu_num_generated_tokens=(input_batch.cu_num_logits_np[: num_reqs + 1].tolist()
+                                         if expanded else None))
+        else:
+            logprobs = None
+        return SamplerOutput(
+            sampled_token_ids=sampled_tokens(result, state.num_nodes), logprobs_tensors=logprobs,
+            num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
+
+    def _verify_requests(self, rows: slice, logits, input_batch, tree, sampled_tree, seeds,
+                         num_logprobs):
+        """(result, num_sampled, num_rejected, logprobs or None) of the batch's requests
+        ``rows``, whose trees are ``tree``, sampled where ``sampled_tree``, seeded by
+        ``seeds``."""
+        state, sampler = self.state, self.sampler
+        step = state.engine.step
+        slots = input_batch.idx_mapping[rows]
+        slots_np = input_batch.idx_mapping_np[rows]
+        width = tree.max_nodes
+        # The requests' own logits rows, and their ends counted from the first of them.
+        cu_num_logits = input_batch.cu_num_logits[rows.start : rows.stop + 1]
+        cu_np = input_batch.cu_num_logits_np[rows.start : rows.stop + 1]
+        cu_num_logits, cu_np = cu_num_logits - cu_num_logits[0], cu_np - cu_np[0]
+        own_rows = logits[int(input_batch.cu_num_logits_np[rows.start]):][: int(cu_np[-1])]
+        raw = node_logits(own_rows, cu_num_logits[1:], step.meta.num_nodes[rows], width,
+                          full=bool((step.num_nodes_host[rows] == width).all()))
+        processed = process_node_rows(
+            sampler, raw.flatten(0, 1), tree, step.prefix_lens[rows], slots, slots_np
+        ).view_as(raw)
+        sampling = sampler.sampling_states
         mode = sampler.logprobs_mode
         # process_node_rows' own float32 copy (not the logits) may become the
         # probabilities, unless the logprobs below read it.
         own_copy = processed.untyped_storage().data_ptr() != raw.untyped_storage().data_ptr()
         scratch = (own_copy and processed.dtype == torch.float32 and processed.is_contiguous()
                    and (num_logprobs == NO_LOGPROBS or mode not in PROCESSED_LOGPROBS_MODES))
-        result = verify_batch(tree, processed, sampling.temperature.np[slots_np],
-                              sampled_tree,
-                              step_seeds(sampling.seeds.gpu[slots], step.prefix_lens),
-                              state.engine.verify, scratch)
-        step.accepted_leaf = result.accepted_leaf
+        result = verify_batch(tree, processed, sampling.temperature.np[slots_np], sampled_tree,
+                              seeds, state.engine.verify, scratch)
         num_sampled, num_rejected = get_num_sampled_and_rejected(
-            (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens,
-            input_batch.cu_num_logits, input_batch.idx_mapping,
-            sampler.req_states.prefill_len.gpu)
-        sampled = sampled_tokens(result, state.num_nodes)
+            (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens[rows],
+            cu_num_logits, slots, sampler.req_states.prefill_len.gpu)
         logprobs = None
         if num_logprobs != NO_LOGPROBS:
             scored = processed if mode in PROCESSED_LOGPROBS_MODES else raw
             logprobs = path_logprobs(
-                scored.float(), result.path, sampled,
-                num_sampled, input_batch.cu_num_logits, input_batch.cu_num_logits_np,
-                num_logprobs, logits_mode=mode in ("raw_logits", "processed_logits"))
-        return SamplerOutput(
-            sampled_token_ids=sampled, logprobs_tensors=logprobs, num_nans=num_nans,
-            num_sampled=num_sampled, num_rejected=num_rejected)
+                scored, result.path, sampled_tokens(result, state.num_nodes), num_sampled,
+                cu_num_logits, cu_np, num_logprobs,
+                logits_mode=mode in ("raw_logits", "processed_logits"))
+        return result, num_sampled, num_rejected, logprobs

@@ -70,7 +70,8 @@ def path_logprobs(nodes: torch.Tensor, path: torch.Tensor, sampled: torch.Tensor
     node_of = torch.zeros(num_reqs, width, dtype=torch.long, device=nodes.device)
     depth = min(width, path.shape[1])
     node_of[:, :depth] = path[:, :depth].long().clamp(min=0)
-    logits = nodes.flatten(0, 1)[request * width + node_of[request, offset]]
+    # float32 after the gather: the rows scored, not every node row.
+    logits = nodes.flatten(0, 1)[request * width + node_of[request, offset]].float()
     tokens = sampled[request, offset].clamp(min=0)
     tokens = torch.where(offset < num_sampled.long()[request], tokens, 0)
     expanded = num_logits != num_reqs
