@@ -294,8 +294,10 @@ class TreeRejectionSampler:
         # The requests' own logits rows, and their ends counted from the first of them.
         cu_num_logits = input_batch.cu_num_logits[rows.start : rows.stop + 1]
         cu_np = input_batch.cu_num_logits_np[rows.start : rows.stop + 1]
-        cu_num_logits, cu_np = cu_num_logits - cu_num_logits[0], cu_np - cu_np[0]
-        own_rows = logits[int(input_batch.cu_num_logits_np[rows.start]):][: int(cu_np[-1])]
+        first_row = int(cu_np[0])
+        if first_row:
+            cu_num_logits, cu_np = cu_num_logits - cu_num_logits[0], cu_np - first_row
+        own_rows = logits[first_row : first_row + int(cu_np[-1])]
         raw = node_logits(own_rows, cu_num_logits[1:], step.meta.num_nodes[rows], width,
                           full=bool((step.num_nodes_host[rows] == width).all()))
         processed = process_node_rows(
