@@ -10,6 +10,7 @@ import os
 import pytest
 
 from vllm_tfm.options import (
+    DEFAULT_COMPUTE_TOKENS,
     DEFAULT_STEP_TOKENS,
     MAX_BUDGET,
     TfmOptions,
@@ -34,25 +35,32 @@ def test_levels_are_the_powers_of_two_below_the_maximum_and_the_maximum():
     assert budget_levels(1) == (1,)
 
 
-@pytest.mark.parametrize("max_budget", [1, 7, 16, 33, 64, 127])
-def test_default_table_fits_the_step_tokens_and_keeps_the_chain_width(max_budget):
+@pytest.mark.parametrize("max_budget", [1, 7, 9, 16, 33, 64, 127])
+def test_default_table_fits_the_step_tokens_then_the_compute_tokens(max_budget):
     table = default_budget_table(max_budget)
     floor = 16 if max_budget >= 16 else max_budget  # the chain width of a 15-deep block
+    lowest = min(floor, 8)  # DEFAULT_MIN_BUDGET, a level of every maximum from 8
     budgets = [budget_for_batch(table, batch) for batch in range(1, 65)]
     assert set(budgets) <= set(budget_levels(max_budget))
     assert budgets == sorted(budgets, reverse=True), "budgets must not grow with the batch"
-    assert min(budgets) == floor
+    assert min(budgets) == lowest
+
+    def fits(batch, budget):  # above the chain's width the weights-read knee, else the roof
+        tokens = DEFAULT_STEP_TOKENS if budget > floor else DEFAULT_COMPUTE_TOKENS
+        return batch * (1 + budget) <= tokens
+
     for batch, budget in enumerate(budgets, start=1):
-        assert budget == floor or batch * (1 + budget) <= DEFAULT_STEP_TOKENS, (batch, budget)
+        assert budget == lowest or fits(batch, budget), (batch, budget)
         larger = [level for level in budget_levels(max_budget) if level > budget]
         # The largest level that fits: the next one up would not.
-        assert not larger or batch * (1 + larger[0]) > DEFAULT_STEP_TOKENS, (batch, budget)
+        assert not larger or not fits(batch, larger[0]), (batch, budget)
 
 
 def test_default_rule_at_the_default_budget():
     options = TfmOptions(budget=64)
-    assert [options.step_budget(batch) for batch in (1, 2, 3, 8, 32)] == [64, 32, 16, 16, 16]
-    assert options.step_budgets == (16, 32, 64)
+    assert [options.step_budget(batch) for batch in (1, 2, 3, 8, 15, 16, 32)] == [
+        64, 32, 16, 16, 16, 8, 8]
+    assert options.step_budgets == (8, 16, 32, 64)
 
 
 def test_a_given_table_is_kept_and_survives_the_trip_to_the_workers():

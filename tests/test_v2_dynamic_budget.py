@@ -73,7 +73,7 @@ def _lookup(schedule, budget: int) -> list[int]:
 def test_the_default_table_becomes_the_schedule_vllm_reads_as_the_same_rule():
     table = default_budget_table(64)
     schedule = batch_size_schedule(table, 64)
-    assert schedule == [(1, 1, 64), (2, 2, 32), (3, MAX_BATCH, 16)]
+    assert schedule == [(1, 1, 64), (2, 2, 32), (3, 15, 16), (16, MAX_BATCH, 8)]
     lookup = _lookup(schedule, 64)
     assert all(lookup[n] == budget_for_batch(table, n) for n in range(1, MAX_SEQS + 1))
 
@@ -184,8 +184,9 @@ def test_round_budgets_are_the_ks_of_vllms_lookup():
                                num_speculative_tokens_per_batch_size=schedule)
 
     assert round_budgets(config(None), 8) == (64,)
-    assert round_budgets(config(batch_size_schedule(default_budget_table(64), 64)),
-                         32) == (16, 32, 64)
+    default = config(batch_size_schedule(default_budget_table(64), 64))
+    assert round_budgets(default, 32) == (8, 16, 32, 64)
+    assert round_budgets(default, 8) == (16, 32, 64)  # 8 drafts from 16 requests on
     # Capped at the budget, and only the ks the running batch sizes reach.
     assert round_budgets(config([(1, 1, 100), (2, 8, 16), (9, 64, 4)]), 8) == (16, 64)
 

@@ -40,6 +40,17 @@ DFLASH_DRAFT_DEPTH = 15
 # which the forward stops costing about one weight read lies between; 96 keeps budget 64
 # for one request and not 127. tools/bench_speed.py measures the step times to refine it.
 DEFAULT_STEP_TOKENS = 96
+# Tokens one target forward may score across the batch before the default budget rule
+# shrinks the trees below the chain's width (down to DEFAULT_MIN_BUDGET): past the compute
+# roof a step's time grows with its tokens. Measured at Qwen3.6-27B shapes on an H100 under
+# CUDA graphs (BENCHMARKS.md, "Stop 42"): at 16 requests, 8-node trees (144 tokens) took
+# 42.95 ms against 52.78 at 16 nodes (272 tokens), at 32 requests 57.76 against 87.35, while
+# the tiny family accepts 2.90 tokens per step at budget 8 against 3.44 at 16 (0.84x): 8
+# wins by 3.5 % and 27 % of projected tokens/s. At 8 requests (136 tokens at 16) the step
+# model from those cells puts budget 8 just short of break-even, so 16 stays below 256.
+DEFAULT_COMPUTE_TOKENS = 256
+# The smallest budget the default rule picks: the smallest whose acceptance is measured.
+DEFAULT_MIN_BUDGET = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,28 +133,34 @@ def budget_levels(max_budget: int) -> tuple[int, ...]:
 
 
 def default_budget_table(max_budget: int, draft_depth: int = DFLASH_DRAFT_DEPTH,
-                         step_tokens: int = DEFAULT_STEP_TOKENS) -> tuple[tuple[int, int], ...]:
+                         step_tokens: int = DEFAULT_STEP_TOKENS,
+                         compute_tokens: int = DEFAULT_COMPUTE_TOKENS) -> tuple[tuple[int, int], ...]:
     """The budget rule when the user gives none, as ((max running requests, budget), ...).
 
     The cost model: a target forward over T tokens costs about one weight read while T
     stays under ``step_tokens`` and grows with T past it, while the accepted length grows
     slowly (about logarithmically) with the budget. So B requests get the largest level
-    (``budget_levels``) whose B x (1 + budget) tokens fit ``step_tokens``, but never less
+    (``budget_levels``) whose B x (1 + budget) tokens fit ``step_tokens``, but not less
     than the chain's width, the smallest level >= ``draft_depth`` (a 15-deep DFlash block:
     16 nodes): such a tree scores about as many tokens as the chain the method contains
     and accepts more (BENCHMARKS.md, tiny family at T = 0: DDTree(16) 2.56 and
-    Weaver(16) 3.44 tokens per step against the chain's 1.93).
+    Weaver(16) 3.44 tokens per step against the chain's 1.93). Past the compute roof,
+    ``compute_tokens``, where the step's time grows with every token, the levels below
+    the chain's width follow the same way down to ``DEFAULT_MIN_BUDGET``: a tree of half
+    the nodes accepts more than half as much (budget 8: 2.90).
     """
     levels = budget_levels(max_budget)
     floor = next((level for level in levels if level >= draft_depth), max_budget)
+    lowest = min(floor, max(level for level in levels if level <= DEFAULT_MIN_BUDGET))
     table: list[tuple[int, int]] = []
     for budget in reversed(levels):
-        if budget <= floor:
+        if budget <= lowest:
             break
-        largest_batch = step_tokens // (1 + budget)
+        tokens = step_tokens if budget > floor else compute_tokens
+        largest_batch = tokens // (1 + budget)
         if largest_batch >= 1 and (not table or largest_batch > table[-1][0]):
             table.append((largest_batch, budget))
-    table.append((MAX_BATCH, floor))
+    table.append((MAX_BATCH, lowest))
     return tuple(table)
 
 
