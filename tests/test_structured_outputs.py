@@ -475,10 +475,10 @@ def trained():
     return trained_family()
 
 
-def tfm_config(family, tree="weaver"):
+def tfm_config(family, tree="weaver", **extra):
     from test_engine import tfm_config as engine_config
 
-    return engine_config(family, tree, budget=16)
+    return engine_config(family, tree, budget=16, **extra)
 
 
 PROMPT = "def fibonacci(n):\n"
@@ -614,7 +614,10 @@ def test_sampling_under_a_grammar_follows_the_constrained_distribution(trained):
     reference = sampled_texts(llm, count)
     del llm
     gc.collect()
-    llm = cpu_engine(trained.target, tfm_config(trained), max_num_seqs=64, **ENGINE_OPTIONS)
+    # One budget at every batch size: the default rule drafts 8-node trees from 16 running
+    # requests on, and a seeded request reproduces under the same budgets only.
+    llm = cpu_engine(trained.target, tfm_config(trained, budget_by_batch=[[1 << 20, 16]]),
+                     max_num_seqs=64, **ENGINE_OPTIONS)
     speculative = sampled_texts(llm, count)
     again = sampled_texts(llm, count // 4)
     del llm

@@ -347,8 +347,10 @@ def test_sampling_with_thinking_budgets_follows_no_speculation(trained, end_ids,
     gc.collect()
     seen = Counter()
     count_forcing(monkeypatch, seen)
-    llm = cpu_engine(trained.target, tfm_config(trained), max_num_seqs=64,
-                     reasoning_config=ENGINE_REASONING)
+    # One budget at every batch size: the default rule drafts 8-node trees from 16 running
+    # requests on, and a seeded request reproduces under the same budgets only.
+    llm = cpu_engine(trained.target, tfm_config(trained, budget_by_batch=[[1 << 20, 16]]),
+                     max_num_seqs=64, reasoning_config=ENGINE_REASONING)
     speculative = sampled_categories(llm, count, end_ids)
     again = sampled_categories(llm, count // 4, end_ids)
     del llm
