@@ -221,11 +221,16 @@ def request_chunks(num_reqs: int, width: int, vocab: int) -> list[slice]:
     return [slice(first, min(first + size, num_reqs)) for first in range(0, num_reqs, size)]
 
 
+def joined(parts):
+    """Per-group tensors as the batch's: the one group's as they are (no copy)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def concat_results(results: list[VerifyResult]) -> VerifyResult:
     """The results of consecutive request groups as one batch's."""
     if len(results) == 1:
         return results[0]
-    return VerifyResult(*(torch.cat(parts) for parts in zip(
+    return VerifyResult(*(joined(parts) for parts in zip(
         *((r.accepted_leaf, r.accepted_len, r.path, r.bonus_token, r.output_tokens)
           for r in results))))
 
@@ -265,27 +270,27 @@ class TreeRejectionSampler:
             rows, logits, input_batch,
             tree if len(groups) == 1 else tree.select(torch.arange(rows.start, rows.stop)),
             sampled_tree[rows], seeds[rows], num_logprobs) for rows in groups]
-        results, num_sampled, num_rejected, logprobs = zip(*chunks)
-        result = concat_results(list(results))
-        step.accepted_leaf = result.accepted_leaf
-        num_sampled, num_rejected = torch.cat(num_sampled), torch.cat(num_rejected)
-        if num_logprobs != NO_LOGPROBS:
+        results, sampled, num_sampled, num_rejected, logprobs = zip(*chunks)
+        step.accepted_leaf = concat_results(list(results)).accepted_leaf
+        if num_logprobs == NO_LOGPROBS:
+            logprobs = None
+        elif len(chunks) == 1:
+            logprobs = logprobs[0]
+        else:
             expanded = int(input_batch.cu_num_logits_np[num_reqs]) != num_reqs
             logprobs = LogprobsTensors(
                 *(torch.cat(parts) for parts in zip(*(part[:3] for part in logprobs))),
                 cu_num_generated_tokens=(input_batch.cu_num_logits_np[: num_reqs + 1].tolist()
                                          if expanded else None))
-        else:
-            logprobs = None
         return SamplerOutput(
-            sampled_token_ids=sampled_tokens(result, state.num_nodes), logprobs_tensors=logprobs,
-            num_nans=num_nans, num_sampled=num_sampled, num_rejected=num_rejected)
+            sampled_token_ids=joined(sampled), logprobs_tensors=logprobs, num_nans=num_nans,
+            num_sampled=joined(num_sampled), num_rejected=joined(num_rejected))
 
     def _verify_requests(self, rows: slice, logits, input_batch, tree, sampled_tree, seeds,
                          num_logprobs):
-        """(result, num_sampled, num_rejected, logprobs or None) of the batch's requests
-        ``rows``, whose trees are ``tree``, sampled where ``sampled_tree``, seeded by
-        ``seeds``."""
+        """(result, sampled tokens, num_sampled, num_rejected, logprobs or None) of the
+        batch's requests ``rows``, whose trees are ``tree``, sampled where ``sampled_tree``,
+        seeded by ``seeds``."""
         state, sampler = self.state, self.sampler
         step = state.engine.step
         slots = input_batch.idx_mapping[rows]
@@ -315,11 +320,11 @@ class TreeRejectionSampler:
         num_sampled, num_rejected = get_num_sampled_and_rejected(
             (result.accepted_len + 1).to(torch.int32), input_batch.seq_lens[rows],
             cu_num_logits, slots, sampler.req_states.prefill_len.gpu)
+        sampled = sampled_tokens(result, state.num_nodes)
         logprobs = None
         if num_logprobs != NO_LOGPROBS:
             scored = processed if mode in PROCESSED_LOGPROBS_MODES else raw
             logprobs = path_logprobs(
-                scored, result.path, sampled_tokens(result, state.num_nodes), num_sampled,
-                cu_num_logits, cu_np, num_logprobs,
+                scored, result.path, sampled, num_sampled, cu_num_logits, cu_np, num_logprobs,
                 logits_mode=mode in ("raw_logits", "processed_logits"))
-        return result, num_sampled, num_rejected, logprobs
+        return result, sampled, num_sampled, num_rejected, logprobs
