@@ -138,7 +138,7 @@ def test_pop_frontier_matches_the_sorting_reference(R, C, count, max_depth, gen)
         assert (f1.score[r, order] == float("-inf")).all()
 
 
-def _pushed_on_both_backends(gen, R, w, P, children, D, start, drawn=None):
+def _pushed_on_both_backends(gen, R, w, P, children, D, start, drawn=None, first_exponent=1.0):
     """A random push (some log q -inf, some nodes -1) on each backend, checked equal:
     (rows, pool_ids, batch, frontier before, frontier after)."""
     rows = torch.randint(-3, 1, (R, w, P), generator=gen).float()
@@ -151,7 +151,8 @@ def _pushed_on_both_backends(gen, R, w, P, children, D, start, drawn=None):
     results = []
     for backend in BACKENDS:
         f = _copy(frontier)
-        push_children(f, start, rows, batch, pool_ids, children, drawn=drawn, backend=backend)
+        push_children(f, start, rows, batch, pool_ids, children, drawn=drawn,
+                      first_exponent=first_exponent, backend=backend)
         results.append(f)
     _equal_state(*results)
     return rows, pool_ids, batch, frontier, results[0]
@@ -172,18 +173,21 @@ def test_push_children_matches_the_sorting_reference(R, w, P, children, D, gen):
 
 
 @pytest.mark.parametrize("R,w,P,children,D", [(1, 1, 1, 1, 1), (2, 3, 9, 4, 3), (3, 4, 130, 8, 5)])
-def test_a_sampled_push_scores_ranks_and_takes_the_drawn_tokens(R, w, P, children, D, gen):
+@pytest.mark.parametrize("first_exponent", [1.0, 0.5, 0.3])
+def test_a_sampled_push_scores_ranks_and_takes_the_drawn_tokens(R, w, P, children, D,
+                                                                first_exponent, gen):
     """With ``drawn``, entry i of a node scores the node's score + its row's i-th largest
-    log q whatever token was drawn there, and holds the i-th drawn token and its log q;
-    both backends agree bit for bit."""
+    log q (entry 0: ``first_exponent`` times it) whatever token was drawn there, and holds
+    the i-th drawn token and its log q; both backends agree bit for bit."""
     drawn = torch.argsort(torch.rand(R, w, P, generator=gen), dim=-1)[..., :children]
     start = 2
     rows, pool_ids, batch, frontier, pushed = _pushed_on_both_backends(
-        gen, R, w, P, children, D, start, drawn)
+        gen, R, w, P, children, D, start, drawn, first_exponent)
     node = batch.node
     span = slice(start, start + w * children)
     got = Frontier(*(t[:, span].reshape(R, w, children) for t in pushed))
     ranked = torch.sort(rows, dim=-1, descending=True).values[..., :children]
+    ranked[..., 0] *= first_exponent
     score = torch.where((node >= 0)[..., None], batch.score[..., None] + ranked, float("-inf"))
     assert torch.equal(got.score, score)
     ids = pool_ids[torch.arange(R)[:, None], batch.depth.clamp(max=D - 1)]
@@ -206,6 +210,11 @@ def test_frontier_ops_reject_bad_arguments(gen):
         push_children(frontier, 2, rows, batch, torch.zeros(2, 1, 3, dtype=torch.int64), 3)
     with pytest.raises(ValueError, match="children must be in"):
         push_children(frontier, 0, rows, batch, torch.zeros(2, 1, 3, dtype=torch.int64), 4)
+    drawn = torch.zeros(2, 1, 1, dtype=torch.int64)
+    for exponent, given in ((0.5, None), (0.0, drawn), (1.5, drawn), (float("nan"), drawn)):
+        with pytest.raises(ValueError, match="first_exponent must be"):
+            push_children(frontier, 0, rows, batch, torch.zeros(2, 1, 3, dtype=torch.int64), 1,
+                          drawn=given, first_exponent=exponent)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -15,6 +15,7 @@ import torch
 from triton_ops.counter_random import counter_gumbel
 from vllm_tfm.drafting.builders import (
     BUILD_STREAM,
+    SAMPLED_FIRST_RANK_EXPONENT,
     build_chain,
     build_ddtree,
     build_sampled_tree,
@@ -191,12 +192,14 @@ class FakeSession:
         return out
 
 
-def brute_weaver(session, r, root, ids, budget, fanout, width, max_depth, draw=None):
-    """Single-request best-first with a Python list as the frontier. ``draw(i, row)``: a
-    sampled tree's pool positions for node i's child slots in drawn order (slot k scores
-    the k-th largest log q and holds the k-th drawn token)."""
+def brute_weaver(session, r, root, ids, budget, fanout, width, max_depth, draw=None,
+                 first_exponent=SAMPLED_FIRST_RANK_EXPONENT):
+    """Single-request best-first with a Python list as the frontier; a node's score is its
+    entry's. ``draw(i, row)``: a sampled tree's pool positions for node i's child slots in
+    drawn order (slot k scores the k-th largest log q, the first times ``first_exponent``,
+    and holds the k-th drawn token)."""
     D, P = ids.shape
-    nodes = [dict(token=root, parent=-1, depth=0, logq=0.0, path=np.float32(0.0))]
+    nodes = [dict(token=root, parent=-1, depth=0, logq=0.0, score=np.float32(0.0))]
     frontier, seq = [], 0
     pops = [min(width, budget - s) for s in range(0, budget, width)] if max_depth > 0 else []
 
@@ -209,10 +212,13 @@ def brute_weaver(session, r, root, ids, budget, fanout, width, max_depth, draw=N
         row = session.logq(r, node["depth"], node["token"], parent_token).numpy()
         ranked = sorted(range(P), key=lambda k: (-row[k], k))[: min(fanout, P)]
         picks = ranked if draw is None else draw(i, row)[: len(ranked)]
-        for rank, k in zip(ranked, picks):
+        for place, (rank, k) in enumerate(zip(ranked, picks)):
             if row[rank] == NEG_INF:
                 continue
-            frontier.append(dict(score=np.float32(node["path"] + row[rank]), seq=seq, parent=i,
+            value = row[rank]
+            if draw is not None and place == 0:
+                value = np.float32(value * np.float32(first_exponent))
+            frontier.append(dict(score=np.float32(node["score"] + value), seq=seq, parent=i,
                                  token=int(ids[node["depth"], k]), logq=row[k],
                                  depth=node["depth"] + 1))
             seq += 1
@@ -224,9 +230,8 @@ def brute_weaver(session, r, root, ids, budget, fanout, width, max_depth, draw=N
         popped, frontier[:] = frontier[:k], frontier[k:]
         added = []
         for e in popped:
-            path = np.float32(nodes[e["parent"]]["path"] + e["logq"])
             nodes.append(dict(token=e["token"], parent=e["parent"], depth=e["depth"],
-                              logq=e["logq"], path=path))
+                              logq=e["logq"], score=e["score"]))
             added.append(len(nodes) - 1)
         if step + 1 < len(pops):
             for i in added:

@@ -18,6 +18,7 @@ import torch
 
 from triton_ops.tree_metadata import root_to_node_path
 from triton_ops.counter_random import counter_gumbel, counter_uniform
+from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import (
     ORDER_STREAM,
@@ -828,30 +829,20 @@ def every_draw(build, pool: int):
         yield result, weight
 
 
-@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros"])
-@pytest.mark.parametrize("budget,width,fanout", [(3, 1, 8), (4, 2, 8), (5, 1, 2), (5, 3, 3)])
-def test_sampled_weaver_trees_are_lossless_by_enumeration(kind, budget, width, fanout, gen):
-    """Every realisation of the best-first sampled tree (the brute force that
-    ``test_tree_builders`` holds the builder to, draw for draw), weighted by its draws'
-    probability, verified by traversal: the target's multi-step law to 1e-10. A slot's
-    inclusion depends on the draws before it, never on its own token: the shape varies
-    with the draws, the law does not."""
-    from test_tree_builders import FakeSession, brute_weaver, make_pools
+def sampled_weaver_law(session, root, ids, budget, width, fanout, first_exponent, law):
+    """Traversal's outcomes over every realisation of the best-first sampled tree (the brute
+    force that ``test_tree_builders`` holds the builder to, draw for draw), each weighted by
+    its draws' probability; and the shapes (parent lists) the realisations took."""
+    from test_tree_builders import brute_weaver
 
-    V, D, P = 4, 3, 3
-    # Zero-mass candidates with a target that has zeros too: slots past q's support.
-    roots, ids, logits = make_pools(gen, 1, D, P, V, holes=kind == "zeros")
-    session = FakeSession(ids, logits, V, gen, ties=False)
-    root = int(roots[0])
-    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    _, D, P = ids.shape
     realised, shapes = {}, set()
     for rows, weight in every_draw(lambda draw: brute_weaver(
-            session, 0, root, ids[0], budget, fanout, width, D, draw), P):
+            session, 0, root, ids[0], budget, fanout, width, D, draw, first_exponent), P):
         key = tuple((token, parent) for token, parent, *_ in rows)
         shapes.add(tuple(parent for _, parent in key))
         realised[key] = (rows, realised.get(key, (rows, 0.0))[1] + weight)
     assert abs(sum(w for _, w in realised.values()) - 1.0) < TOL
-    assert len(shapes) > 1  # the draws decide the shape
     outcomes = {}
     for rows, weight in realised.values():
         n = len(rows)
@@ -870,4 +861,73 @@ def test_sampled_weaver_trees_are_lossless_by_enumeration(kind, budget, width, f
         probs = target_probs(tree, law)
         plan = traversal_plan(tree, probs)
         add_outcomes(outcomes, tree, enumerate_plan(tree, probs, plan), weight)
+    return outcomes, shapes
+
+
+@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros"])
+@pytest.mark.parametrize("budget,width,fanout", [(3, 1, 8), (4, 2, 8), (5, 1, 2), (5, 3, 3)])
+@pytest.mark.parametrize("first_exponent", [SAMPLED_FIRST_RANK_EXPONENT, 0.25, 1.0])
+def test_sampled_weaver_trees_are_lossless_by_enumeration(kind, budget, width, fanout,
+                                                          first_exponent, gen):
+    """The sampled tree's law is the target's multi-step law to 1e-10 at the builder's
+    first-slot exponent and others up to 1: slot scores that never read the slot's own
+    token and never rank a node's later slot above an earlier one, so that its children are
+    the first of its draws (above 1 they can: the next test)."""
+    from test_tree_builders import FakeSession, make_pools
+
+    V, D, P = 4, 3, 3
+    # Zero-mass candidates with a target that has zeros too: slots past q's support.
+    roots, ids, logits = make_pools(gen, 1, D, P, V, holes=kind == "zeros")
+    session = FakeSession(ids, logits, V, gen, ties=False)
+    root = int(roots[0])
+    law = ContextLaw(V, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    outcomes, _ = sampled_weaver_law(session, root, ids, budget, width, fanout, first_exponent,
+                                     law)
     assert_lossless(law, root, outcomes, D + 1)
+
+
+def first_draw_session(gen):
+    """(session, root, ids): the root's q is (0.5, 0.45, 0.05) over its pool row; below its
+    child the q row is flat (0.36, 0.33, 0.31) where the child holds pool position 0 and
+    peaked (0.9, 0.05, 0.05) elsewhere."""
+    from test_tree_builders import FakeSession, make_pools
+
+    V, D, P = 4, 3, 3
+    roots, ids, logits = make_pools(gen, 1, D, P, V)
+    session = FakeSession(ids, logits, V, gen, ties=False)
+    root = int(roots[0])
+    session.table[0, 0, root, 0] = torch.tensor([0.5, 0.45, 0.05]).log()
+    for position in range(P):
+        row = [0.36, 0.33, 0.31] if position == 0 else [0.9, 0.05, 0.05]
+        session.table[0, 1, int(ids[0, 0, position]), root + 1] = torch.tensor(row).log()
+    return session, root, ids
+
+
+@pytest.mark.parametrize("kind", ["smooth", "peaky", "zeros"])
+def test_a_sampled_weaver_tree_whose_shape_follows_its_first_draw_is_lossless(kind, gen):
+    """A slot's inclusion may depend on draws made before it: here the first draw decides
+    the shape. The root's q is (0.5, 0.45, 0.05); below its first child the q row is flat
+    (0.36, 0.33, 0.31) if the first draw is pool position 0 and peaked (0.9, 0.05, 0.05)
+    otherwise. With budget 2, one node a pop, the second pop compares the root's second
+    slot, log 0.45, with the first child's first slot, (log 0.5 + log max q) / 2 at the
+    builder's exponent: the root's slot wins below the flat row, the child's below the
+    peaked ones. Both shapes occur, and traversal keeps the target's law."""
+    assert SAMPLED_FIRST_RANK_EXPONENT == 0.5  # the numbers above
+    session, root, ids = first_draw_session(gen)
+    law = ContextLaw(4, int(torch.randint(0, 1 << 30, (1,), generator=gen)), kind)
+    outcomes, shapes = sampled_weaver_law(session, root, ids, 2, 1, 8,
+                                          SAMPLED_FIRST_RANK_EXPONENT, law)
+    assert shapes == {(-1, 0, 0), (-1, 0, 1)}
+    assert_lossless(law, root, outcomes, ids.shape[1] + 1)
+
+
+def test_slots_ranked_out_of_draw_order_move_the_law(gen):
+    """The control: at first-slot exponent 2 the root's first slot scores 2 log 0.5 below
+    its second, log 0.45, so a one-node tree holds the root's second draw without its first;
+    traversal takes children as the first of the draws and the law moves."""
+    session, root, ids = first_draw_session(gen)
+    law = ContextLaw(4, int(torch.randint(0, 1 << 30, (1,), generator=gen)), "smooth")
+    outcomes, shapes = sampled_weaver_law(session, root, ids, 1, 1, 8, 2.0, law)
+    assert shapes == {(-1, 0)}
+    with pytest.raises(AssertionError, match="max law error"):
+        assert_lossless(law, root, outcomes, ids.shape[1] + 1)

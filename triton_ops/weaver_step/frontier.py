@@ -4,8 +4,8 @@ Per request the frontier is a fixed set of C columns filled in insertion order
 (score -inf = empty or spent), so ranking by (score descending, column
 ascending) is the reference builder's (score descending, insertion order
 ascending). Children rank by (log q descending, pool index ascending). Both
-orders are those of a stable descending sort (a sampled push keeps the ranks' log q as
-scores but takes its tokens in the order it is given); the torch path IS that sort,
+orders are those of a stable descending sort (a sampled push scores by the ranks' log q,
+the first one scaled, but takes its tokens in the order it is given); the torch path IS that sort,
 the Triton path takes one winner per iteration (at most 32 pops or a fan-out of
 a few children), one program per request or per expanded node, and also does
 the bookkeeping around it, so a pop or a push is one launch. A NaN score ranks
@@ -83,7 +83,7 @@ def pop_frontier(frontier: Frontier, tree: GrowingTree, count: int, max_depth: i
 
 def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
                   pool_ids: torch.Tensor, children: int, *, drawn: torch.Tensor | None = None,
-                  backend: str = "auto") -> None:
+                  first_exponent: float = 1.0, backend: str = "auto") -> None:
     """Write the top ``children`` of each node of ``batch`` into frontier columns
     ``start + j * children + i`` with score = the node's score + log q.
 
@@ -93,7 +93,11 @@ def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: Exp
     ``drawn``: [R, w, children] int64 pool positions in the order they were drawn (a
     sample without replacement from each row). Entry i then scores the node's score + the
     i-th largest log q, a value that does not depend on the token drawn there, and holds
-    the i-th drawn token with its own log q: the slot of a sampled tree.
+    the i-th drawn token with its own log q: the slot of a sampled tree. Entry 0 scores
+    ``first_exponent`` times the largest log q (in probabilities, ``max q ** first_exponent``;
+    without ``drawn`` it must be 1). At most 1, so that no entry outranks an earlier one:
+    a node's children are then always the first of its draws, which traversal
+    verification's proof needs.
     """
     R, w, P = rows.shape
     if not 1 <= children <= P:
@@ -102,17 +106,21 @@ def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: Exp
                               or drawn.dtype != torch.int64):
         raise ValueError(f"drawn must be int64 [{R}, {w}, {children}], got "
                          f"{drawn.dtype} {list(drawn.shape)}")
+    if not 0 < first_exponent <= 1 or (drawn is None and first_exponent != 1):
+        raise ValueError("first_exponent must be in (0, 1], and 1 without drawn; got "
+                         f"{first_exponent!r}")
     if start + w * children > frontier.score.shape[1]:
         raise ValueError(f"frontier of {frontier.score.shape[1]} columns has no room for "
                          f"{w * children} entries at {start}")
     if not use_triton(backend, rows):
-        return _torch_push(frontier, start, rows, batch, pool_ids, children, drawn)
+        return _torch_push(frontier, start, rows, batch, pool_ids, children, drawn,
+                           first_exponent)
     if not all(t.is_contiguous() for t in frontier):
         raise ValueError("the frontier tensors must be contiguous (written in place)")
     _push_kernel[(R * w,)](
         *frontier, rows.contiguous(), *(t.contiguous() for t in batch), pool_ids.contiguous(),
-        rows if drawn is None else drawn.contiguous(), start, w, P, pool_ids.shape[1],
-        frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
+        rows if drawn is None else drawn.contiguous(), first_exponent, start, w, P,
+        pool_ids.shape[1], frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
         PICKS=triton.next_power_of_2(children), DRAWN=drawn is not None,
     )
 
@@ -146,13 +154,15 @@ def _torch_pop(frontier: Frontier, tree: GrowingTree, count: int, max_depth: int
 
 
 def _torch_push(frontier: Frontier, start: int, rows: torch.Tensor, batch: ExpandBatch,
-                pool_ids: torch.Tensor, children: int, drawn: torch.Tensor | None) -> None:
+                pool_ids: torch.Tensor, children: int, drawn: torch.Tensor | None,
+                first_exponent: float) -> None:
     R, w, _ = rows.shape
     top, pos = torch.sort(rows, dim=-1, descending=True, stable=True)
     top, pos = top[..., :children], pos[..., :children]
     logq = top
     if drawn is not None:
         pos, logq = drawn, rows.gather(-1, drawn)
+        top = torch.cat([top[..., :1] * first_exponent, top[..., 1:]], -1)
     requests = torch.arange(R, device=rows.device)[:, None]
     candidates = pool_ids[requests, batch.depth.clamp(max=pool_ids.shape[1] - 1)].gather(-1, pos)
     expandable = (batch.node >= 0)[..., None]
@@ -239,7 +249,7 @@ def _pop_kernel(
 @triton.jit
 def _push_kernel(
     f_score, f_token, f_parent, f_depth, f_logq,
-    rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids, drawn_ptr,
+    rows_ptr, b_node, b_token, b_parent, b_depth, b_score, pool_ids, drawn_ptr, FIRST_EXPONENT,
     START, W, P, D, C,
     CHILDREN: tl.constexpr, BLOCK: tl.constexpr, PICKS: tl.constexpr, DRAWN: tl.constexpr,
 ):
@@ -260,6 +270,7 @@ def _push_kernel(
     if DRAWN:  # ranks keep their scores; tokens and their log q come in drawn order
         column = tl.load(drawn_ptr + row * CHILDREN + picks, mask=real, other=0)
         logq = tl.load(rows_ptr + row * P + column, mask=real, other=-float("inf"))
+        best = tl.where(picks == 0, best * FIRST_EXPONENT, best)
     at = r * C + START + j * CHILDREN + picks
     tl.store(f_score + at, tl.where(node >= 0, score + best, -float("inf")), mask=real)
     tl.store(f_token + at, tl.load(pool + column, mask=real, other=0), mask=real)
