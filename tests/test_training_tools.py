@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_tfm.drafting.builders import build_chain
+from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT, build_chain
 from vllm_tfm.drafting.weaver import WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver, random_weaver
 from vllm_tfm.tiny import family as tiny_family
@@ -487,20 +487,27 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
             "--tree-draws", "sampled", "--device", "cpu"])
 
 
-def test_eval_acceptance_drafts_at_the_expand_width_asked(trained, tmp_path, monkeypatch):
-    widths = []
+def test_eval_acceptance_drafts_at_the_expand_width_and_first_exponent_asked(trained, tmp_path,
+                                                                            monkeypatch):
+    calls = []
     real = acceptance.draft_trees
 
     def recording(*args, **kwargs):
-        widths.append(kwargs["expand_width"])
+        calls.append((kwargs["expand_width"], kwargs["first_exponent"],
+                      kwargs["sample_seeds"] is not None))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(acceptance, "draft_trees", recording)
     args = ["--family", "random", "--dflash", str(trained["root"] / "whole"),
             "--out", str(tmp_path / "eval.json"), "--num-prompts", "1", "--prompt-len", "8",
-            "--max-new-tokens", "4", "--budgets", "8", "--temperatures", "0",
-            "--methods", "weaver", "--device", "cpu"]
-    eval_acceptance.main([*args, "--expand-width", "3"])
-    assert widths and set(widths) == {3}
+            "--max-new-tokens", "4", "--budgets", "8", "--methods", "weaver", "--device", "cpu"]
+    eval_acceptance.main([*args, "--temperatures", "0", "--expand-width", "3"])
+    assert calls and set(calls) == {(3, SAMPLED_FIRST_RANK_EXPONENT, False)}
+    calls.clear()
+    eval_acceptance.main([*args, "--temperatures", "1", "--tree-draws", "sampled",
+                          "--first-exponent", "0.25"])
+    assert calls and set(calls) == {(None, 0.25, True)}
     with pytest.raises(ValueError, match=r"--expand-width must be in \[1, 32\], got 0"):
         eval_acceptance.main([*args, "--expand-width", "0"])
+    with pytest.raises(ValueError, match=r"--first-exponent must be in \(0, 1\], got 1.5"):
+        eval_acceptance.main([*args, "--first-exponent", "1.5"])

@@ -278,7 +278,8 @@ def test_weaver_tree_matches_brute_force(case, ties, holes):
 
 @pytest.mark.parametrize("case", WEAVER_CASES)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_sampled_weaver_tree_matches_brute_force(case, backend):
+@pytest.mark.parametrize("first_exponent", [SAMPLED_FIRST_RANK_EXPONENT, 1.0])
+def test_sampled_weaver_tree_matches_brute_force(case, backend, first_exponent):
     """With seeds: the best-first tree whose slots score by rank and hold the node's
     Gumbel-top-k draws (keys from the request's seed, the node index and the pool position),
     node for node the brute force's; proposals are the session's rows at the nodes with
@@ -290,7 +291,8 @@ def test_sampled_weaver_tree_matches_brute_force(case, backend):
     session = FakeSession(ids, logits, V, gen, ties=False)
     seeds = torch.tensor([11, 5, 2**40 + 3])
     tree = build_weaver_tree(roots, ids, session, budget, fanout=fanout, expand_width=width,
-                             max_depth=max_depth, backend=backend, seeds=seeds)
+                             max_depth=max_depth, backend=backend, seeds=seeds,
+                             first_exponent=first_exponent)
     depth_limit = D if max_depth is None else max_depth
     check_invariants(tree, budget, depth_limit)
     assert tree.sampled and torch.equal(tree.pool_ids, ids)
@@ -304,7 +306,7 @@ def test_sampled_weaver_tree_matches_brute_force(case, backend):
             return sorted(range(P), key=lambda k: (-float(keys[k]), k))
 
         want = brute_weaver(session, r, int(roots[r]), ids[r], budget, fanout, w, depth_limit,
-                            draw)
+                            draw, first_exponent)
         assert tree_rows(tree, r) == want
         for i, (token, parent, depth, _) in enumerate(want):
             row = tree.proposal_logq[r, i]

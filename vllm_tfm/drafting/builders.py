@@ -206,6 +206,7 @@ def build_weaver_tree(
     backend: str = "auto",
     constraint: ChildConstraint | None = None,
     seeds: torch.Tensor | None = None,
+    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT,
 ) -> DraftTree:
     """Weaver's best-first tree (DESIGN.md section 3).
 
@@ -228,8 +229,8 @@ def build_weaver_tree(
 
     ``seeds`` ([R] int64, see :func:`vllm_tfm.drafting.tree.derive_seeds`): a SAMPLED
     tree, the input traversal verification gains on. Node u's i-th child slot is scored
-    u's own slot score + the i-th largest log q(. | u) (the first times
-    ``SAMPLED_FIRST_RANK_EXPONENT``) and holds the i-th token of a Gumbel-top-k draw from
+    u's own slot score + the i-th largest log q(. | u) (the first times ``first_exponent``,
+    in (0, 1]: ``SAMPLED_FIRST_RANK_EXPONENT`` by default) and holds the i-th token of a Gumbel-top-k draw from
     q(. | u) over u's pool row (restricted to what ``constraint`` allows, renormalized).
     No score reads a drawn token's q, so whether a slot enters the tree never depends on
     the token drawn into it, only on draws made before (at its ancestors and at nodes
@@ -292,7 +293,7 @@ def build_weaver_tree(
             proposal[requests, torch.where(batch.node >= 0, batch.node, N)] = rows
             drawn = _draw_order(rows, batch.node, seeds)[..., :children]
         push_children(frontier, fill, rows, batch, pool_ids, children, drawn=drawn,
-                      first_exponent=1.0 if seeds is None else SAMPLED_FIRST_RANK_EXPONENT,
+                      first_exponent=1.0 if seeds is None else first_exponent,
                       backend=backend)
         fill += w * children
 

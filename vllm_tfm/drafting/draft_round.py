@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from vllm_tfm.drafting.builders import (
+    SAMPLED_FIRST_RANK_EXPONENT,
     ChildConstraint,
     build_chain,
     build_ddtree,
@@ -75,6 +76,7 @@ def draft_trees(
     sample_seeds: torch.Tensor | None = None,
     constraint: ChildConstraint | None = None,
     fixed_widths: bool = False,
+    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT,
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -105,6 +107,8 @@ def draft_trees(
         fixed_widths: sampled DDTree trees only: the build that reads nothing back
             from the device (``build_sampled_tree``), the same trees (Weaver's builds
             never read back).
+        first_exponent: sampled Weaver trees only: the first child slot's score exponent
+            (``build_weaver_tree``).
     """
     ids, scores = pools
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
@@ -135,6 +139,7 @@ def draft_trees(
     return build_weaver_tree(
         root_tokens, ids, session, budget, fanout=fanout, expand_width=expand_width,
         validate=validate, backend=backend, constraint=constraint, seeds=sample_seeds,
+        first_exponent=first_exponent,
     )
 
 

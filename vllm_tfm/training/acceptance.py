@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
 from vllm_tfm.drafting.draft_round import draft_depth, draft_trees
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
@@ -51,13 +52,15 @@ class Drafters:
     which runs it), the DFlash drafter and (for tree "weaver") a Weaver whose tables were
     prepared from the target. `pool_size` None: the pool the engine would use
     (`options.default_candidate_pool`); `expand_width` None: Weaver's nodes expanded per
-    call as the engine's default (`options.default_expand_width`)."""
+    call as the engine's default (`options.default_expand_width`); `first_exponent`: a
+    sampled Weaver tree's first-slot exponent (`build_weaver_tree`)."""
 
     target: TargetHead
     dflash: DFlashDrafter
     weaver: Weaver | None = None
     pool_size: int | None = None
     expand_width: int | None = None
+    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT
 
     def depth(self, tree: str, budget: int) -> int:
         """Draft positions D of a round, as the engine sizes them."""
@@ -98,7 +101,8 @@ class Drafters:
         pools = lm_head_pools(hidden, self.target.lm_head, pool_size)
         trees = draft_trees(tree, roots, pools, budget, weaver=self.weaver, h_v=h_v,
                             dflash_hidden=hidden, sample_seeds=sample_seeds,
-                            expand_width=self.expand_width)
+                            expand_width=self.expand_width,
+                            first_exponent=self.first_exponent)
         return trees, pools.ids
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 from vllm_tfm.options import (AUTO_SAMPLED_TREE_MIN_TEMPERATURE, MAX_EXPAND_WIDTH,
                                SAMPLED_TREE_KINDS, TREE_KINDS)
@@ -79,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--expand-width", type=int,
                         help="Weaver's nodes expanded per call (default: the engine's, "
                         "ceil(budget / 16)): fewer, wider calls draft faster")
+    parser.add_argument("--first-exponent", type=float, default=SAMPLED_FIRST_RANK_EXPONENT,
+                        help="sampled Weaver trees: the first child slot scores max q to this "
+                        "power, in (0, 1] (default: the engine's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads")
@@ -222,7 +226,10 @@ def main(argv: list[str] | None = None) -> dict:
         weaver.prepare_tables(target.embed, target.lm_head)
     elif "weaver" in methods:
         methods.remove("weaver")
-    drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width)
+    if not 0 < args.first_exponent <= 1:
+        raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
+    drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width,
+                        first_exponent=args.first_exponent)
     prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))
     chain_budget = args.chain_budget or drafter.draft_depth
     configs = [(t, m, b, trees) for t in args.temperatures for m in methods
