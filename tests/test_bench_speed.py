@@ -55,6 +55,10 @@ def test_vllm_defaults_leave_memory_and_scheduling_to_vllm():
     assert "cudagraph_capture_sizes" not in config and "max_cudagraph_capture_size" not in config
     assert config["cudagraph_mode"] == "FULL_DECODE_ONLY" and kwargs["load_format"] == "dummy"
     assert kwargs["max_model_len"] == 2048
+    # The one setting a user must give (vLLM's 1024 sequences exceed the GDN states that fit).
+    capped = speed.engine_kwargs(dataclasses.replace(shapes, max_num_seqs=64), "v2",
+                                 query_lens=lambda batch: (65,))
+    assert capped["max_num_seqs"] == 64 and "kv_cache_memory_bytes" not in capped
 
 
 def test_stated_tau_by_regime():

@@ -52,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="no fixed budget: the KV sized by vLLM's memory profile at its "
                              "default gpu_memory_utilization, and vLLM's max_num_seqs, "
                              "max_num_batched_tokens and capture sizes (a user's engine)")
+    parser.add_argument("--max-num-seqs", type=int,
+                        help="with --vllm-defaults: the engines' max_num_seqs (vLLM's default "
+                             "otherwise), the setting a user of a 27B hybrid must give")
     parser.add_argument("--temperature", type=float,
                         help="every request's temperature (default 0, greedy; above 0 each "
                              "request is seeded)")
@@ -89,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
     if args.vllm_defaults:
         narrowed["memory_bytes"] = None
+    if args.max_num_seqs is not None:
+        if not args.vllm_defaults or args.max_num_seqs < 1:
+            parser.error("--max-num-seqs takes a count >= 1, with --vllm-defaults only")
+        narrowed["max_num_seqs"] = args.max_num_seqs
     if args.temperature is not None:
         narrowed["temperature"] = args.temperature
     if args.compilation:

@@ -100,6 +100,11 @@ class Shapes:
     # dflash_tfm's Weaver nodes expanded per call (speculative config ``expand_width``);
     # None: the plugin's default. Projections keep the stated tau of the default width.
     expand_width: int | None = None
+    # With vLLM's defaults (memory_bytes None), the one setting a user must give: at
+    # Qwen3.6-27B shapes on an H100 vLLM 0.33's default of 1024 sequences exceeds the GDN
+    # state blocks that fit, and no engine starts, plain decoding's included (BENCHMARKS.md,
+    # "Stop 43 device calls"). None: vLLM's default.
+    max_num_seqs: int | None = None
 
     def batches_at(self, context: int) -> tuple[int, ...]:
         if context == min(self.contexts) or self.long_batches is None:
@@ -242,6 +247,8 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     if not fixed:  # the harness's settings kept, vLLM's memory and scheduling defaults
         for name in ("max_num_seqs", "kv_cache_memory_bytes", "gpu_memory_utilization"):
             engine.pop(name, None)
+        if shapes.max_num_seqs is not None:
+            engine["max_num_seqs"] = shapes.max_num_seqs
         compilation = dict(graphs["compilation_config"])
         compilation.pop("max_cudagraph_capture_size", None)
         return {**engine, "compilation_config": compilation}
