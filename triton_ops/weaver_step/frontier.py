@@ -4,10 +4,10 @@ Per request the frontier is a fixed set of C columns filled in insertion order
 (score -inf = empty or spent), so ranking by (score descending, column
 ascending) is the reference builder's (score descending, insertion order
 ascending). Children rank by (log q descending, pool index ascending). Both
-orders are those of a stable descending sort (a sampled push scores by the ranks' log q,
-the first one scaled, but takes its tokens in the order it is given); the torch path IS that sort,
-the Triton path takes one winner per iteration (at most 32 pops or a fan-out of
-a few children), one program per request or per expanded node, and also does
+orders are those of a stable descending sort (a sampled push scores by the ranks' log
+q, the first one scaled, but takes its tokens in the order it is given); the torch
+path IS that sort, the Triton path takes one winner per iteration (at most 32 pops or
+a fan-out of a few children), one program per request or per expanded node, and also does
 the bookkeeping around it, so a pop or a push is one launch. A NaN score ranks
 first in the sort and as -inf in the kernels (a NaN log q is a broken Weaver).
 """
@@ -120,8 +120,9 @@ def push_children(frontier: Frontier, start: int, rows: torch.Tensor, batch: Exp
     _push_kernel[(R * w,)](
         *frontier, rows.contiguous(), *(t.contiguous() for t in batch), pool_ids.contiguous(),
         rows if drawn is None else drawn.contiguous(), first_exponent, start, w, P,
-        pool_ids.shape[1], frontier.score.shape[1], CHILDREN=children, BLOCK=triton.next_power_of_2(P),
-        PICKS=triton.next_power_of_2(children), DRAWN=drawn is not None,
+        pool_ids.shape[1], frontier.score.shape[1], CHILDREN=children,
+        BLOCK=triton.next_power_of_2(P), PICKS=triton.next_power_of_2(children),
+        DRAWN=drawn is not None,
     )
 
 

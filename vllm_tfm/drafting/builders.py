@@ -231,8 +231,9 @@ def build_weaver_tree(
     ``seeds`` ([R] int64, see :func:`vllm_tfm.drafting.tree.derive_seeds`): a SAMPLED
     tree, the input traversal verification gains on. Node u's i-th child slot is scored
     u's own slot score + the i-th largest log q(. | u) (the first times ``first_exponent``,
-    in (0, 1]: ``SAMPLED_FIRST_RANK_EXPONENT`` by default) and holds the i-th token of a Gumbel-top-k draw from
-    q(. | u) over u's pool row (restricted to what ``constraint`` allows, renormalized).
+    in (0, 1]: ``SAMPLED_FIRST_RANK_EXPONENT`` by default) and holds the i-th token of a
+    Gumbel-top-k draw from q(. | u) over u's pool row (restricted to what ``constraint``
+    allows, renormalized).
     No score reads a drawn token's q, so whether a slot enters the tree never depends on
     the token drawn into it, only on draws made before (at its ancestors and at nodes
     popped before it), which keeps traversal lossless (exact enumeration:
