@@ -210,6 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.expand_width is not None and not 1 <= args.expand_width <= MAX_EXPAND_WIDTH:
         raise ValueError(f"--expand-width must be in [1, {MAX_EXPAND_WIDTH}], "
                          f"got {args.expand_width}")
+    if not 0 < args.first_exponent <= 1:
+        raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
     fill_family_defaults(args, trained=args.family == "trained", target="target",
                          dflash="dflash", weaver="weaver")
     if args.weaver == "none":
@@ -226,8 +228,6 @@ def main(argv: list[str] | None = None) -> dict:
         weaver.prepare_tables(target.embed, target.lm_head)
     elif "weaver" in methods:
         methods.remove("weaver")
-    if not 0 < args.first_exponent <= 1:
-        raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
     drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width,
                         first_exponent=args.first_exponent)
     prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))

@@ -35,7 +35,6 @@ from vllm.v1.worker.gpu.model_states.mamba_hybrid import MambaHybridModelState
 from vllm.v1.worker.gpu.sample.output import SamplerOutput
 from vllm.v1.worker.gpu.sample.states import NO_LOGPROBS
 
-from vllm_tfm.drafting.verifiers import VerifyResult
 from vllm_tfm.vllm_glue.commit import (
     attention_layers_by_group,
     commit_gdn_records,
@@ -226,15 +225,6 @@ def joined(parts):
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def concat_results(results: list[VerifyResult]) -> VerifyResult:
-    """The results of consecutive request groups as one batch's."""
-    if len(results) == 1:
-        return results[0]
-    return VerifyResult(*(joined(parts) for parts in zip(
-        *((r.accepted_leaf, r.accepted_len, r.path, r.bonus_token, r.output_tokens)
-          for r in results))))
-
-
 class TreeRejectionSampler:
     """V2's rejection-sampler seam (``sampler(logits, input_batch, draft_logits,
     invalid_drafts) -> SamplerOutput``), verifying the step's trees: every node row through
@@ -271,7 +261,7 @@ class TreeRejectionSampler:
             tree if len(groups) == 1 else tree.select(torch.arange(rows.start, rows.stop)),
             sampled_tree[rows], seeds[rows], num_logprobs) for rows in groups]
         results, sampled, num_sampled, num_rejected, logprobs = zip(*chunks)
-        step.accepted_leaf = concat_results(list(results)).accepted_leaf
+        step.accepted_leaf = joined([result.accepted_leaf for result in results])
         if num_logprobs == NO_LOGPROBS:
             logprobs = None
         elif len(chunks) == 1:
