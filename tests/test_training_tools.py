@@ -4,8 +4,10 @@ against the inference path, DFlash block masking, exact target scoring, overfitt
 tiny batch, each tool end to end on the tiny family (loadable outputs, resume), and
 eval's tau against a hand count."""
 
+import dataclasses
 import json
 import math
+from typing import Callable
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from vllm_tfm.training import (
     dflash,
     eval_acceptance,
     generate_features,
+    paired_trees,
     target,
     train_dflash,
     train_family,
@@ -391,13 +394,13 @@ def test_committed_trained_family_matches_its_manifest():
 # -- eval: tau against a hand count ---------------------------------------------------------
 
 
+@dataclasses.dataclass
 class OracleDrafters(acceptance.Drafters):
     """Chains whose first k(p) tokens are the target's greedy continuation and whose
     next token is wrong: greedy decoding must accept exactly min(k(p), D) per step."""
 
-    def __init__(self, base, truth: torch.Tensor, rule):
-        super().__init__(base.target, base.dflash)
-        self.truth, self.rule = truth, rule
+    truth: torch.Tensor | None = None
+    rule: Callable[[int], int] | None = None
 
     def propose(self, method, budget, roots, aux, anchors, h_v, sample_seeds=None):
         depth = self.depth(method, budget)
@@ -436,7 +439,7 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
         logits = session.extend(torch.tensor([[truth[-1]]])).logits[0, -1]
     truth = torch.tensor(truth)
     rule = lambda p: (p * 7) % 5 + (p % 3 == 0) * 12  # noqa: E731  (some >= D)
-    oracle = OracleDrafters(base, truth, rule)
+    oracle = OracleDrafters(base.target, base.dflash, truth=truth, rule=rule)
     depth, start = drafter.draft_depth, prompt.numel()
 
     stats = acceptance.simulate(oracle, "chain", depth, prompt, 0.0, new_tokens, seed=0)
@@ -480,6 +483,12 @@ def test_eval_tau_on_a_chain_equals_a_hand_count(family, tiny_target, trained, t
     assert summary["T=1"]["weaver8/chain"] == pytest.approx(
         summary["T=1"]["weaver8 sampled"] / summary["T=1"]["chain"])
 
+    # Paired contexts: every position of the greedy continuation, each a hand count.
+    positions = 40
+    table = paired_trees.prompt_contexts(oracle, [paired_trees.TreeSpec("chain", depth)], prompt,
+                                         0.0, positions, tree_samples=1, seed=0)
+    assert table[0].tolist() == [min(rule(start + i), depth) for i in range(positions)]
+
     with pytest.raises(ValueError, match="--tree-draws sampled: sampled trees exist only"):
         eval_acceptance.main([
             "--family", "random", "--dflash", str(trained["root"] / "whole"),
@@ -511,3 +520,35 @@ def test_eval_acceptance_drafts_at_the_expand_width_and_first_exponent_asked(tra
         eval_acceptance.main([*args, "--expand-width", "0"])
     with pytest.raises(ValueError, match=r"--first-exponent must be in \(0, 1\], got 1.5"):
         eval_acceptance.main([*args, "--first-exponent", "1.5"])
+
+
+def test_compare_trees_pairs_specs_on_the_same_contexts(trained, tmp_path):
+    args = ["--family", "random", "--dflash", str(trained["root"] / "whole"),
+            "--num-prompts", "2", "--prompt-len", "8", "--positions", "3", "--device", "cpu"]
+    specs = ["ddtree:8:sampled", "weaver:8:sampled", "weaver:8:sampled:1", "weaver:8", "chain:4"]
+    rows = paired_trees.main([*args, "--out", str(tmp_path / "a.json"), "--specs", *specs])
+    assert [row["spec"] for row in rows] == [
+        "ddtree:8:sampled", f"weaver:8:sampled:{SAMPLED_FIRST_RANK_EXPONENT:g}",
+        "weaver:8:sampled:1", "weaver:8", "chain:4"]
+    assert rows[0]["ratio_to_first"] == 1 and rows[0]["difference_to_first"] == 0
+    report = json.loads((tmp_path / "a.json").read_text())
+    tables = torch.tensor(report["expected_accepted"])  # [prompts, specs, positions]
+    assert tables.shape == (2, 5, 3) and torch.isfinite(tables).all()
+    depths = torch.tensor([8, 8, 8, 8, 4], dtype=torch.float64)[None, :, None]
+    assert ((tables >= 0) & (tables <= depths)).all()
+    for index, row in enumerate(rows):
+        assert row["tau_per_position"] == pytest.approx(1 + tables[:, index].mean().item())
+    # Same seeds, same contexts, same trees: a rerun of a subset repeats its rows.
+    again = paired_trees.main([*args, "--out", str(tmp_path / "b.json"), "--specs", specs[2],
+                               specs[0]])
+    assert again[0]["tau_per_position"] == rows[2]["tau_per_position"]
+    assert again[1]["tau_per_position"] == rows[0]["tau_per_position"]
+
+    for bad, message in [("weaver:8:sampled:1.5", "FIRST_EXPONENT"),
+                         ("chain:4:sampled", "the third field"), ("tree:8", "KIND in"),
+                         ("weaver:x", "BUDGET must be an int")]:
+        with pytest.raises(ValueError, match=message):
+            paired_trees.main([*args, "--out", str(tmp_path / "c.json"), "--specs", bad])
+    with pytest.raises(ValueError, match="above 0 for sampled specs"):
+        paired_trees.main([*args, "--out", str(tmp_path / "c.json"), "--specs", specs[0],
+                           "--temperature", "0"])

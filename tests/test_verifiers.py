@@ -233,6 +233,7 @@ def test_target_only_is_lossless(shape, kind, vocab, backend, gen):
     probs = target_probs(tree, law)
     cases = enumerate_target_only(tree, probs)
     check_replay(tree, probs, lambda t, p, c: run_target_only_cases(t, p, c, backend), cases)
+    assert_expected_accepted(tree, target_only_plan(tree, probs), cases)
     outcomes = add_outcomes({}, tree, cases)
     root = int(tree.tokens[0, 0])
     assert_lossless(law, root, outcomes, max(depths_of(SHAPES[shape])) + 1)
@@ -267,6 +268,12 @@ def enumerate_plan(tree, probs, plan):
 
     visit(0, [0], 1.0, {})
     return cases
+
+
+def assert_expected_accepted(tree, plan, cases):
+    """The plan's E[accepted] (what tools/compare_trees.py reports) is its enumerated law's."""
+    want = sum(weight * (len(path) - 1) for path, _, weight, _, _ in cases)
+    assert abs(float(plan.expected_accepted(tree.max_depth)[0]) - want) < 1e-10
 
 
 def run_plan_cases(tree, probs, plan, cases, backend="torch"):
@@ -337,6 +344,7 @@ def test_traversal_deterministic_tree_is_lossless(shape, kind, vocab, logq_kind,
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c, backend),
                      cases)
+        assert_expected_accepted(tree, plan, cases)
         for path, bonus, weight, _, _ in cases:
             # On a deterministic tree a drawn child token is always accepted.
             leaf_children = [
@@ -453,6 +461,7 @@ def test_traversal_sampled_tree_is_lossless(shape, kind, vocab, pool, backend, g
         cases = enumerate_plan(tree, probs, plan)
         check_replay(tree, probs, lambda t, p, c: run_plan_cases(t, p, plan, c, backend),
                      cases)
+        assert_expected_accepted(tree, plan, cases)
         add_outcomes(outcomes, tree, cases, tree_weight)
     assert abs(total - 1.0) < 1e-12
     assert_lossless(law, root, outcomes, max(depths_of(parents)) + 1)

@@ -96,6 +96,23 @@ class WalkPlan:
     residual: torch.Tensor
     outside_scale: torch.Tensor
 
+    def expected_accepted(self, max_depth: int) -> torch.Tensor:
+        """[R] float64 E[drafted tokens accepted]: the sum over drafted nodes of the
+        probability that the walk passes them, carried from the root down one level a
+        sweep (``max_depth``: the trees' depth limit)."""
+        R, N, _ = self.children.shape
+        batch = torch.arange(R, device=self.children.device)[:, None, None]
+        present = self.children >= 0
+        column = torch.where(present, self.children, N)  # column N takes the padding
+        reach = torch.zeros(R, N + 1, dtype=torch.float64, device=self.choice.device)
+        reach[:, 0] = 1
+        for _ in range(max_depth):
+            passed = torch.where(present, reach[:, :N, None] * self.choice[..., :-1], 0.0)
+            reach = torch.zeros_like(reach).index_put_((batch.expand_as(column), column),
+                                                       passed, accumulate=True)
+            reach[:, 0] = 1
+        return reach[:, 1:N].sum(-1)
+
     def bonus_distribution(self, probs: torch.Tensor, node: torch.Tensor) -> torch.Tensor:
         """[R, V] float64 law of the bonus token when ``node`` ([R]) stops the walk."""
         R, _, V = probs.shape

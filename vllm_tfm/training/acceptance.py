@@ -43,6 +43,7 @@ from vllm_tfm.options import TREE_KINDS, default_candidate_pool
 
 from vllm_tfm.training.dflash import DFlashDrafter
 from vllm_tfm.training.features import TargetHead
+from vllm_tfm.training.target import DecodeSession
 from vllm_tfm.training.weaver_lk import lm_head_pools
 
 
@@ -188,6 +189,18 @@ def _leaf_paths(tree: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
     return nodes, tokens
 
 
+def tree_logits(session: DecodeSession, tree: DraftTree) -> torch.Tensor:
+    """[N, V] the target's exact logits at every node of request 0's tree: each
+    root-to-leaf path run from the session's committed state (``score_paths``)."""
+    nodes, paths = _leaf_paths(tree)
+    device = session.target.device
+    scored = session.score_paths(paths.to(device)).logits  # [L, S, V]
+    logits = scored.new_zeros(tree.max_nodes, scored.shape[-1])
+    real = nodes >= 0
+    logits[nodes[real].to(device)] = scored[real.to(device)]
+    return logits
+
+
 @torch.no_grad()
 def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
              temperature: float, max_new_tokens: int, seed: int,
@@ -224,11 +237,7 @@ def simulate(drafters: Drafters, tree: str, budget: int, prompt: torch.Tensor,
         tree_seeds = derive_seeds(seeds, -1) if sampled_trees and temperature > 0 else None
         drafted, pool_ids = drafters.propose(tree, budget, root.view(1), aux, anchor, h_v,
                                              tree_seeds)
-        nodes, paths = _leaf_paths(drafted)
-        scored = session.score_paths(paths.to(device)).logits  # [L, S, V]
-        node_logits = scored.new_zeros(drafted.max_nodes, scored.shape[-1])
-        real = nodes >= 0
-        node_logits[nodes[real].to(device)] = scored[real.to(device)]
+        node_logits = tree_logits(session, drafted)
         if temperature == 0:
             result = verify_greedy(drafted, node_logits[None])
         else:

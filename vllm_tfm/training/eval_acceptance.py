@@ -55,9 +55,8 @@ LABELS = {"ddtree": "DDTree", "weaver": "DFlash-TfM"}
 TREE_DRAWS = ("deterministic", "sampled")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="JSON file to write (PNG beside it)")
+def add_family_arguments(parser: argparse.ArgumentParser) -> None:
+    """The models and held-out prompts an acceptance tool reads (also tools/compare_trees.py)."""
     parser.add_argument("--family", choices=("trained", "random"), default="trained",
                         help="tiny family that supplies the paths not given")
     parser.add_argument("--target", help="target model directory")
@@ -68,6 +67,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "windows of its held-out packages instead of the stdlib's")
     parser.add_argument("--num-prompts", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=32, help="tokens per held-out prompt")
+    parser.add_argument("--expand-width", type=int,
+                        help="Weaver's nodes expanded per call (default: the engine's, "
+                        "ceil(budget / 16)): fewer, wider calls draft faster")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="JSON file to write (PNG beside it)")
+    add_family_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--chain-budget", type=int, help="default: the drafter's depth")
@@ -77,19 +88,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tree-draws", nargs="+", default=list(TREE_DRAWS), choices=TREE_DRAWS,
                         help="at T>0, deterministic trees verified target-only and/or trees "
                         "with sampled children verified by traversal (DDTree, Weaver)")
-    parser.add_argument("--expand-width", type=int,
-                        help="Weaver's nodes expanded per call (default: the engine's, "
-                        "ceil(budget / 16)): fewer, wider calls draft faster")
     parser.add_argument("--first-exponent", type=float, default=SAMPLED_FIRST_RANK_EXPONENT,
                         help="sampled Weaver trees: the first child slot scores max q to this "
                         "power, in (0, 1] (default: the engine's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads")
     return parser.parse_args(argv)
 
 
-def _prompt_ids(args, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
+def prompt_ids(args, tokenizer) -> tuple[list[torch.Tensor], list[str]]:
     if args.prompts:
         texts = json.loads(Path(args.prompts).read_text(encoding="utf-8"))
         if not isinstance(texts, list) or not all(isinstance(t, str) and t for t in texts):
@@ -205,13 +210,12 @@ def plot(rows: list[dict], path: Path, reference: int) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
+def load_drafters(args: argparse.Namespace, with_weaver: bool) -> Drafters:
+    """The target, DFlash drafter and (``with_weaver`` and not ``--weaver none``) Weaver of
+    ``add_family_arguments``' options, on their device; fills the paths not given."""
     if args.expand_width is not None and not 1 <= args.expand_width <= MAX_EXPAND_WIDTH:
         raise ValueError(f"--expand-width must be in [1, {MAX_EXPAND_WIDTH}], "
                          f"got {args.expand_width}")
-    if not 0 < args.first_exponent <= 1:
-        raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
     fill_family_defaults(args, trained=args.family == "trained", target="target",
                          dflash="dflash", weaver="weaver")
     if args.weaver == "none":
@@ -221,17 +225,22 @@ def main(argv: list[str] | None = None) -> dict:
     drafter = DFlashDrafter.load(args.dflash, target.hidden_size).to(device).eval()
     target.check_layer_ids(drafter.target_layer_ids)
     weaver = None
-    methods = list(dict.fromkeys(args.methods))
-    if args.weaver:
+    if args.weaver and with_weaver:
         weaver = load_weaver(args.weaver, target_hidden_size=target.hidden_size,
                              target_vocab_size=target.vocab_size, device=device)
         weaver.prepare_tables(target.embed, target.lm_head)
-    elif "weaver" in methods:
-        methods.remove("weaver")
-    drafters = Drafters(target, drafter, weaver, expand_width=args.expand_width,
-                        first_exponent=args.first_exponent)
-    prompts, texts = _prompt_ids(args, data.load_tokenizer(args.target))
-    chain_budget = args.chain_budget or drafter.draft_depth
+    return Drafters(target, drafter, weaver, expand_width=args.expand_width)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if not 0 < args.first_exponent <= 1:
+        raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
+    drafters = load_drafters(args, "weaver" in args.methods)
+    drafters.first_exponent = args.first_exponent
+    methods = [m for m in dict.fromkeys(args.methods) if m != "weaver" or drafters.weaver]
+    prompts, texts = prompt_ids(args, data.load_tokenizer(args.target))
+    chain_budget = args.chain_budget or drafters.dflash.draft_depth
     configs = [(t, m, b, trees) for t in args.temperatures for m in methods
                for trees in args.tree_draws
                if trees == "deterministic" or (t > 0 and m in SAMPLED_TREE_KINDS)
