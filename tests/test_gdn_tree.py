@@ -289,6 +289,37 @@ def test_verify_writes_o_into_out(backend, N, counts, gen):
         assert torch.equal(getattr(result, name), getattr(fresh, name)), name
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("N, counts", [(65, [65, 65]), (17, [17, 9]), (40, [40, 23])])
+def test_verify_writes_the_commit_fields_where_allocate_says(backend, N, counts, gen):
+    """``allocate`` (the engine's reused record buffers) gives the fields the commit reads:
+    views of larger NaN-filled buffers, every element written (padding nodes too), equal
+    to a run without it; the commit through them gives the same states."""
+    B, H, HV, K, V = len(counts), 1, 3, 16, 16
+    meta = random_tree_metadata(gen, ["bushy", "random"], N, counts)
+    q, k, v, g, beta, pool, slots = make_inputs(gen, B, N, H, HV, K, V)
+    fresh = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend)
+    flats, asked = {}, []
+
+    def allocate(name, shape, dtype, device):
+        asked.append(name)
+        flats[name] = torch.full((math.prod(shape) + 7,), float("nan"), dtype=dtype, device=device)
+        return flats[name][: math.prod(shape)].view(shape)
+
+    result = gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend, allocate=allocate)
+    assert sorted(asked) == ["delta", "gate_sum", "k_normed"]
+    for name in asked:
+        assert getattr(result, name).data_ptr() == flats[name].data_ptr(), name
+        assert torch.equal(getattr(result, name), getattr(fresh, name)), name
+        assert flats[name][-7:].isnan().all(), name  # nothing past the view
+    assert torch.equal(result.o, fresh.o)
+    leaf = torch.tensor([counts[0] - 1, counts[1] // 2])
+    committed = pool.clone()
+    gdn_tree_commit(committed, slots, meta, result.for_commit(), leaf, backend=backend)
+    gdn_tree_commit(pool, slots, meta, fresh, leaf, backend=backend)
+    assert torch.equal(committed, pool)
+
+
 @triton.jit
 def _bf16_parts_kernel(x_ptr, parts_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)

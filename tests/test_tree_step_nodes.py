@@ -148,11 +148,13 @@ def test_tree_positions_are_prefix_plus_depth(gen, num_drafts, prompt_rows):
     ([5, 5], torch.float32),  # a buffer of another dtype: copied
     ([5, 3], torch.bfloat16),  # ragged trees: copied to the real nodes' rows
 ])
-def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, gen):
+def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, gen, monkeypatch):
     """tree_gdn_core with ``out`` (vLLM's output rows of the spec tokens) gives what it
     returns without: the real nodes' outputs in their rows, nothing written elsewhere; a
-    dense step's verify writes the rows themselves (its ``o`` is a view of them). The
-    commit record keeps the nodes' inputs in memory of its own, never vLLM's mixed_qkv."""
+    dense step's verify writes the rows themselves (its ``out`` is a view of them). The
+    commit record keeps the nodes' inputs in memory of its own, never vLLM's mixed_qkv,
+    and no outputs (which would keep vLLM's rows alive)."""
+    import triton_ops.gdn_tree as gdn_tree
     from vllm_tfm.vllm_glue.gdn import tree_gdn_core
     from vllm_tfm.vllm_glue.tree_step import request_nodes
 
@@ -174,6 +176,15 @@ def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, 
     conv_state, ssm_state = torch.randn(4, C, W - 1, generator=gen), torch.randn(4, HV, K, V, generator=gen)
     slots = torch.tensor([2, 0])
 
+    verify = gdn_tree.gdn_tree_verify
+    outs = []
+
+    def recording_verify(*args, **kwargs):
+        outs.append(kwargs["out"])
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(gdn_tree, "gdn_tree_verify", recording_verify)
+
     def core(out=None):
         step = SimpleNamespace(gdn_records={})
         result = tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, weight, conv_state, ssm_state, slots,
@@ -182,7 +193,8 @@ def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, 
         inputs = record.conv_inputs.flatten(0, 1)[nodes.slots]
         assert torch.equal(inputs, mixed_qkv[nodes.rows])
         assert record.conv_inputs.untyped_storage().data_ptr() != mixed_qkv.untyped_storage().data_ptr()
-        return result, record.verify_out.o
+        assert record.verify_out.o is None
+        return result, outs[-1]
 
     expected, _ = core()
     rows = torch.full((T + 2, HV, V), float("nan"), dtype=out_dtype)
@@ -191,7 +203,40 @@ def test_gdn_core_writes_its_outputs_into_the_layers_rows(num_nodes, out_dtype, 
     assert torch.equal(out[nodes.rows], expected.to(out_dtype))
     assert rows[T:].isnan().all()
     direct = nodes.dense_start is not None and out_dtype == torch.bfloat16
-    assert (o.data_ptr() == rows.data_ptr()) == direct
+    assert (o is not None and o.data_ptr() == rows.data_ptr()) == direct
+
+
+def test_record_buffers_are_kept_only_from_graph_captures(monkeypatch):
+    """Commit-record buffers: a capture makes (or grows) the layer's buffer and later
+    steps that fit get views of it; outside a capture a step that does not fit gets a new
+    tensor and the buffer stays; a buffer a capture wrote is kept when a larger capture
+    outgrows it (its graph replays over that address)."""
+    import triton_ops.utils as utils
+    from vllm_tfm.vllm_glue.gdn import RecordBuffers
+
+    capturing = [False]
+    monkeypatch.setattr(utils, "capturing_graph", lambda device: capturing[0])
+    buffers, cpu = RecordBuffers(), torch.device("cpu")
+
+    def take(shape, dtype=torch.float32):
+        return buffers.take("delta", shape, dtype, cpu)
+
+    first, second = take((2, 3)), take((2, 3))
+    assert first.data_ptr() != second.data_ptr()  # no capture yet: nothing kept
+    capturing[0] = True
+    captured = take((4, 5))
+    capturing[0] = False
+    smaller, same = take((2, 3)), take((4, 5))
+    assert smaller.data_ptr() == same.data_ptr() == captured.data_ptr()
+    assert smaller.shape == (2, 3) and smaller.is_contiguous()
+    wider = take((5, 5))  # outgrows it outside a capture: a new tensor, the buffer stays
+    assert wider.data_ptr() != captured.data_ptr() and take((4, 5)).data_ptr() == captured.data_ptr()
+    assert take((2, 3), torch.float64).data_ptr() != captured.data_ptr()  # another dtype
+    capturing[0] = True
+    grown = take((6, 5))
+    capturing[0] = False
+    assert take((6, 5)).data_ptr() == grown.data_ptr() != captured.data_ptr()
+    assert any(kept.data_ptr() == captured.data_ptr() for kept in buffers._outgrown)
 
 
 def test_state_slots_are_made_once_per_slot_table(gen):

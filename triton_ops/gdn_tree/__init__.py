@@ -2,6 +2,7 @@
 references."""
 
 from triton_ops.gdn_tree.chunk import (
+    Allocate,
     GDNTreeVerifyOutput,
     gdn_tree_commit,
     gdn_tree_commit_layers,
@@ -12,6 +13,7 @@ from triton_ops.gdn_tree.gating import gdn_gating
 from triton_ops.gdn_tree.naive import naive_recurrent_gdn_tree
 
 __all__ = [
+    "Allocate",
     "GDNTreeVerifyOutput",
     "gdn_tree_commit",
     "gdn_tree_commit_layers",

@@ -21,7 +21,7 @@ batched PyTorch form (:mod:`.chunk_torch`); ``backend=`` overrides the choice.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,6 +53,8 @@ class GDNTreeVerifyOutput:
 
     Attributes:
         o: [B, N, HV, V] in v's dtype, each node's output; zeros at padding nodes.
+            :func:`gdn_tree_commit` never reads it: a record kept for the commit only
+            may hold None (:meth:`for_commit`).
         delta: [B, N, HV, V] fp32 (float64 for float64 inputs), the solved
             ``Delta`` rows; zeros at padding nodes.
         gate_sum: [B, N, HV] float64, ``G``: the log decay summed from the
@@ -63,10 +65,37 @@ class GDNTreeVerifyOutput:
             recurrence used them (L2-normalised when requested); 0 at padding.
     """
 
-    o: torch.Tensor
+    o: torch.Tensor | None
     delta: torch.Tensor
     gate_sum: torch.Tensor
     k_normed: torch.Tensor
+
+    def for_commit(self) -> GDNTreeVerifyOutput:
+        """What the commit reads, without ``o`` (whose memory the caller may reuse)."""
+        return replace(self, o=None)
+
+
+# allocate(name, shape, dtype, device) -> an uninitialised tensor of that shape and dtype
+# for the verify output's field ``name`` ("delta", "gate_sum", "k_normed").
+Allocate = Callable[[str, tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def new_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    """The default :data:`Allocate`: a new tensor each call."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def commit_fields(q: torch.Tensor, v: torch.Tensor,
+                  allocate: Allocate = new_tensor) -> dict[str, torch.Tensor]:
+    """The verify output's fields the commit reads, allocated for inputs ``q`` [B, N, H, K]
+    and ``v`` [B, N, HV, V]: fp32 (float64 for float64 inputs), ``gate_sum`` float64."""
+    B, N, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return {"delta": allocate("delta", (B, N, HV, V), dtype, q.device),
+            "gate_sum": allocate("gate_sum", (B, N, HV), torch.float64, q.device),
+            "k_normed": allocate("k_normed", (B, N, H, K), dtype, q.device)}
 
 
 def gdn_tree_verify(
@@ -84,6 +113,7 @@ def gdn_tree_verify(
     backend: str = "auto",
     precision: str = DEFAULT_PRECISION,
     out: torch.Tensor | None = None,
+    allocate: Allocate = new_tensor,
 ) -> GDNTreeVerifyOutput:
     """Score all tree nodes of a GDN layer without writing any state.
 
@@ -106,6 +136,8 @@ def gdn_tree_verify(
         out: optional contiguous [B, N, HV, V] tensor of v's dtype that becomes the
             output's ``o`` (the engine passes its layer's output rows when they hold the
             nodes in this order, which saves a copy per layer).
+        allocate: how the fields the commit reads are allocated (:data:`Allocate`; every
+            element is written): the engine reuses one set of buffers from step to step.
 
     Returns:
         :class:`GDNTreeVerifyOutput`.
@@ -122,12 +154,15 @@ def gdn_tree_verify(
     if triton_path:
         from triton_ops.gdn_tree.chunk_triton import verify_triton
 
-        return verify_triton(
-            q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm, precision, o=out
-        )
+        return verify_triton(q, k, v, g, beta, ssm_state, state_slots, meta, scale,
+                             use_qk_l2norm, precision, o=out, allocate=allocate)
     from triton_ops.gdn_tree.chunk_torch import verify_torch
 
     result = verify_torch(q, k, v, g, beta, ssm_state, state_slots, meta, scale, use_qk_l2norm)
+    if allocate is not new_tensor:
+        fields = commit_fields(q, v, allocate)
+        result = replace(result, **{name: fields[name].copy_(getattr(result, name))
+                                    for name in fields})
     if out is None:
         return result
     return replace(result, o=out.copy_(result.o))

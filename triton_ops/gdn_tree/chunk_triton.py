@@ -76,7 +76,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton_ops.gdn_tree.chunk import GDNTreeVerifyOutput
+from triton_ops.gdn_tree.chunk import Allocate, GDNTreeVerifyOutput, commit_fields, new_tensor
 from triton_ops.tree_metadata import TreeMetadata
 from triton_ops.utils import bit_is_set, dot_block, interpreting, layer_tensor
 
@@ -985,6 +985,7 @@ def verify_triton(
     o: torch.Tensor | None = None,
     k_chunk: int | None = None,
     fuse_parts: bool = FUSE_STATE_PARTS,
+    allocate: Allocate = new_tensor,
 ) -> GDNTreeVerifyOutput:
     """Launch the verify kernel ``kernel`` (one of ``VERIFY_KERNELS``; by default
     ``default_verify_kernel(N, B * HV)``); ``block_v``, ``num_warps`` (of the tile or
@@ -992,7 +993,7 @@ def verify_triton(
     K_CHUNK) and ``fuse_parts`` (:data:`FUSE_STATE_PARTS`, at 4 warps only: :func:`fuses_parts`)
     are tuning knobs for benchmarks.
     ``o``: a contiguous [B, N, HV, V] tensor the outputs go to (checked by
-    ``gdn_tree_verify``), else a new one."""
+    ``gdn_tree_verify``), else a new one; ``allocate``: of the fields the commit reads."""
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     BK = dot_block(K)
@@ -1000,9 +1001,7 @@ def verify_triton(
     words = meta.ancestor_words.contiguous()
     dev = q.device
     o = torch.empty(B, N, HV, V, dtype=v.dtype, device=dev) if o is None else o
-    delta = torch.empty(B, N, HV, V, dtype=torch.float32, device=dev)
-    gate_sum = torch.empty(B, N, HV, dtype=torch.float64, device=dev)
-    k_normed = torch.empty(B, N, H, K, dtype=torch.float32, device=dev)
+    delta, gate_sum, k_normed = commit_fields(q, v, allocate).values()
     # The interpreter's bf16 is unreliable (triton#11584; its 16-bit tl.dot gave inf
     # here): fp32 operands give the same exact products.
     native = not interpreting()

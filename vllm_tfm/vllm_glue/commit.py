@@ -105,8 +105,9 @@ def commit_gdn_records(records, accepted_leaf: torch.Tensor, backend: str = "aut
 
     groups: dict[tuple, list[GDNCommitRecord]] = {}
     for record in records:
+        out = record.verify_out
         tensors = (record.ssm_state, record.slots, record.conv_state, record.conv_inputs,
-                   *vars(record.verify_out).values())
+                   out.delta, out.gate_sum, out.k_normed)
         layout = tuple((t.dtype, t.shape, t.stride()) for t in tensors)
         groups.setdefault((id(record.requests), layout), []).append(record)
     for group in groups.values():

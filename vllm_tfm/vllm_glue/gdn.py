@@ -12,11 +12,60 @@ readers of those buffers agree.
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
 from vllm_tfm.vllm_glue import tree_step
 from vllm_tfm.vllm_glue.tree_step import GDNCommitRecord
+
+
+class RecordBuffers:
+    """A GDN layer's commit-record tensors, reused from step to step.
+
+    A step's records live from its forward to its commit, and the next forward comes after
+    that commit, so one set of buffers per layer serves every step. Under FULL graphs this
+    is what bounds the graphs' memory: each captured size keeps its records for its
+    replays, and as separate tensors they added up over the sizes (9.56 GiB for the rule
+    engine's captures at Qwen3.6-27B shapes and max_num_seqs 64 on an H100, BENCHMARKS.md)
+    where views of one buffer cost the largest size's alone.
+
+    A buffer is made or grown only while a graph is captured (vLLM captures its largest
+    size first, so once); a step that does not fit outside a capture gets new tensors,
+    freed after its commit, so an odd large eager step does not hold its memory for the
+    engine's life. A buffer a captured graph wrote is kept when outgrown: the graph
+    replays over its address.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[str, torch.Tensor] = {}
+        self._outgrown: list[torch.Tensor] = []
+
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+        """An uninitialised [shape] tensor of ``dtype`` for field ``name``: a view of this
+        layer's buffer where it fits (``triton_ops.gdn_tree.Allocate``)."""
+        from triton_ops.utils import capturing_graph
+
+        numel = math.prod(shape)
+        flat = self._flat.get(name)
+        if (flat is not None and flat.numel() >= numel and flat.dtype == dtype
+                and flat.device == device):
+            return flat[:numel].view(shape)
+        fresh = torch.empty(shape, dtype=dtype, device=device)
+        if capturing_graph(device):
+            if flat is not None:
+                self._outgrown.append(flat)
+            self._flat[name] = fresh.view(-1)
+        return fresh
+
+
+def record_buffers(layer) -> RecordBuffers:
+    """``layer``'s :class:`RecordBuffers`, made on first use."""
+    buffers = getattr(layer, "_tfm_record_buffers", None)
+    if buffers is None:
+        buffers = layer._tfm_record_buffers = RecordBuffers()
+    return buffers
 
 
 def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, ssm_state,
@@ -40,7 +89,9 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     # view of vLLM's mixed_qkv, whose memory a compiled graph may hand to a later buffer
     # once this layer returns (Inductor plans buffers across the GDN op where it does not
     # split the graph there): the conv kernel copies the inputs as it reads them.
-    conv_inputs = x if nodes.dense_start is None else torch.empty_like(x)
+    buffers = record_buffers(layer)
+    conv_inputs = (x if nodes.dense_start is None
+                   else buffers.take("conv_inputs", tuple(x.shape), x.dtype, x.device))
     activation = "silu" if layer.activation in ("silu", "swish") else None
     y = tree_conv1d(x, conv_weight, layer.conv1d.bias, conv_state, slots, meta,
                     activation=activation, inputs_out=None if conv_inputs is x else conv_inputs)
@@ -49,10 +100,12 @@ def tree_gdn_core(layer, step, nodes, mixed_qkv, b, a, conv_weight, conv_state, 
     direct = (out is not None and nodes.dense_start is not None and out.dtype == value.dtype
               and out.is_contiguous())
     result = gdn_tree_verify(query, key, value, g, beta, ssm_state, slots, meta,
-                             use_qk_l2norm=True, out=nodes.to_nodes(out) if direct else None)
+                             use_qk_l2norm=True, out=nodes.to_nodes(out) if direct else None,
+                             allocate=buffers.take)
+    # Without the outputs: a record that held them would keep vLLM's output rows alive.
     step.gdn_records[layer.prefix] = GDNCommitRecord(
         ssm_state=ssm_state, conv_state=conv_state, slots=slots, requests=nodes.requests,
-        meta=meta, verify_out=result, conv_inputs=conv_inputs,
+        meta=meta, verify_out=result.for_commit(), conv_inputs=conv_inputs,
     )
     if out is None:
         return nodes.real_nodes(result.o)

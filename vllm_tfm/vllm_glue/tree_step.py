@@ -126,7 +126,7 @@ class GDNCommitRecord:
     slots: torch.Tensor  # [R'] state slot per spec request
     requests: torch.Tensor  # [R'] indices into the step's requests
     meta: TreeMetadata  # the step's metadata restricted to those requests
-    verify_out: Any  # gdn_tree_verify's output (carries what commit needs)
+    verify_out: Any  # gdn_tree_verify's output for the commit (``for_commit``)
     conv_inputs: torch.Tensor  # [R', N, C] pre-conv node inputs
 
     def first_requests(self, count: int, meta: TreeMetadata,
@@ -138,8 +138,9 @@ class GDNCommitRecord:
         return GDNCommitRecord(
             ssm_state=self.ssm_state, conv_state=self.conv_state, slots=self.slots[:count],
             requests=requests, meta=meta,
-            verify_out=type(out)(**{field.name: getattr(out, field.name)[:count]
-                                    for field in dataclasses.fields(out)}),
+            verify_out=type(out)(**{field.name: None if value is None else value[:count]
+                                    for field in dataclasses.fields(out)
+                                    for value in [getattr(out, field.name)]}),
             conv_inputs=self.conv_inputs[:count],
         )
 
