@@ -318,6 +318,13 @@ def test_verify_writes_the_commit_fields_where_allocate_says(backend, N, counts,
     gdn_tree_commit(committed, slots, meta, result.for_commit(), leaf, backend=backend)
     gdn_tree_commit(pool, slots, meta, fresh, leaf, backend=backend)
     assert torch.equal(committed, pool)
+    with pytest.raises(ValueError, match="allocate's gate_sum must be .* torch.float64"):
+        gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend,
+                        allocate=lambda name, shape, dtype, device: torch.empty(shape))
+    with pytest.raises(ValueError, match="allocate's delta must be contiguous"):
+        gdn_tree_verify(q, k, v, g, beta, pool, slots, meta, backend=backend,
+                        allocate=lambda name, shape, dtype, device:
+                        torch.empty(shape[::-1], dtype=dtype).permute(*range(len(shape))[::-1]))
 
 
 @triton.jit

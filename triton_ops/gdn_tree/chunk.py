@@ -93,9 +93,16 @@ def commit_fields(q: torch.Tensor, v: torch.Tensor,
     B, N, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return {"delta": allocate("delta", (B, N, HV, V), dtype, q.device),
-            "gate_sum": allocate("gate_sum", (B, N, HV), torch.float64, q.device),
-            "k_normed": allocate("k_normed", (B, N, H, K), dtype, q.device)}
+    fields = {}
+    for name, shape, field_dtype, dims in (("delta", (B, N, HV, V), dtype, "[B, N, HV, V]"),
+                                           ("gate_sum", (B, N, HV), torch.float64, "[B, N, HV]"),
+                                           ("k_normed", (B, N, H, K), dtype, "[B, N, H, K]")):
+        tensor = output_buffer(allocate(name, shape, field_dtype, q.device), shape, field_dtype,
+                               q.device, dims, name=f"allocate's {name}")
+        if not tensor.is_contiguous():  # the kernels write them row-major
+            raise ValueError(f"allocate's {name} must be contiguous, got strides {tensor.stride()}")
+        fields[name] = tensor
+    return fields
 
 
 def gdn_tree_verify(
