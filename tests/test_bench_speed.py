@@ -9,6 +9,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from vllm_tfm.benchmarks import speed, step_phases
 from vllm_tfm.benchmarks.speed import PLAIN, TFM, VLLM_DFLASH
@@ -370,3 +371,89 @@ def test_v2_steps_record_the_graph_mode_of_the_target_and_the_drafter(draft_mode
     decode = [row for row in rows if row["decode"]]
     assert speed.graph_dispatch(decode) == f"drafting {draft_mode} 3/3, target FULL 3/3"
     assert speed.graph_dispatch([{"graphs": []}]) is None  # V1 records none
+
+
+# -- start-up memory by frame (memory_trace) ------------------------------------------------
+
+
+def _frame(filename, line, name):
+    return {"filename": filename, "line": line, "name": name}
+
+
+def test_memory_windows_group_what_a_window_allocated_by_its_frames():
+    """A window's peak counts every live block; its groups only what the window allocated,
+    live at that peak and live at its end, keyed by the plugin's frames then vLLM's."""
+    from vllm_tfm.benchmarks.memory_trace import format_window, frame_key, window
+
+    ours = [_frame("/x/vllm_tfm/vllm_glue/gdn.py", 43, "tree_gdn_core"),
+            _frame("/x/vllm/model_executor/layers/mamba/gdn.py", 9, "forward"),
+            _frame("/x/torch/nn/module.py", 1, "_call_impl")]
+    theirs = [_frame("/x/vllm_tfm/benchmarks/speed.py", 5, "run_method"),
+              _frame("/x/vllm/v1/worker/gpu/model_runner.py", 7, "execute_model")]
+    elsewhere = [_frame("/x/torch/cuda/graphs.py", 2, "capture")]
+    assert frame_key(ours) == "gdn.py:43:tree_gdn_core < gdn.py:9:forward"
+    assert frame_key(theirs) == "model_runner.py:7:execute_model"  # the tool's own: skipped
+    assert frame_key(elsewhere) == "graphs.py:2:capture" and frame_key([]) == "?"
+
+    def alloc(addr, size, frames):
+        return {"action": "alloc", "addr": addr, "size": size, "frames": frames}
+
+    def free(addr):
+        return {"action": "free_requested", "addr": addr, "size": 0, "frames": []}
+
+    events = [alloc(1, 100, elsewhere),                       # before the window: weights
+              alloc(2, 40, ours), alloc(3, 30, theirs),       # the window from index 1
+              free(3), alloc(4, 10, theirs),                  # peak 170 was before this free
+              alloc(5, 5, ours), free(4)]
+    w = window(events, 1, "capture")
+    assert w.peak_bytes == 170
+    assert w.at_peak == [("gdn.py:43:tree_gdn_core < gdn.py:9:forward", 40),
+                         ("model_runner.py:7:execute_model", 30)]
+    assert w.kept == [("gdn.py:43:tree_gdn_core < gdn.py:9:forward", 45)]
+    text = format_window(w)
+    assert text.startswith("== capture: 0.00 GiB live at its peak") and "still live" in text
+    empty = window(events, len(events), "empty")  # no event inside: the live set as it is
+    assert empty.peak_bytes == 145 and empty.at_peak == [] and empty.kept == []
+
+
+def test_memory_trace_needs_a_cuda_gpu(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_speed.py"
+    spec = importlib.util.spec_from_file_location("bench_speed_tool", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with pytest.raises(SystemExit):
+        tool.main(["--out", "/tmp/unused", "--smoke", "--memory-trace"])
+    assert "--memory-trace records the CUDA allocator" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_memory_trace_reports_each_window_of_a_start(tmp_path):
+    """On a GPU: the patched windows append their reports (an exception included) and the
+    worker's methods are restored."""
+    from vllm_tfm.benchmarks.memory_trace import trace_engine_start
+
+    class Worker:
+        def determine_available_memory(self):
+            self.kept = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            torch.empty(4 << 20, dtype=torch.uint8, device="cuda")  # freed at once
+
+        def compile_or_warm_up_model(self):
+            raise RuntimeError("out of memory")
+
+    originals = (Worker.determine_available_memory, Worker.compile_or_warm_up_model)
+    path = tmp_path / "memory.txt"
+    with trace_engine_start(path, Worker):
+        worker = Worker()
+        worker.determine_available_memory()
+        with pytest.raises(RuntimeError):
+            worker.compile_or_warm_up_model()
+    assert (Worker.determine_available_memory, Worker.compile_or_warm_up_model) == originals
+    text = path.read_text()
+    assert "== determine_available_memory" in text and "== compile_or_warm_up_model" in text
+    profile = text.split("== compile_or_warm_up_model")[0]
+    kept = profile.split("still live at its end")[1]
+    assert "0.001 GiB  " in kept and "test_bench_speed.py" in kept  # the 1 MiB it kept

@@ -25,6 +25,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import torch
+
 from vllm_tfm.benchmarks.speed import PLAIN, SHAPES, TFM, VLLM_DFLASH, merge_reports, run
 from vllm_tfm.options import TREE_KINDS
 
@@ -69,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="also profile each engine's first cell at each batch size (host "
                              "by function, kernels) into OUT/profile_<engine>_B<batch>.txt")
+    parser.add_argument("--memory-trace", action="store_true",
+                        help="also record where each engine's GPU memory goes while it starts "
+                             "(vLLM's memory profile, its warm-up and graph captures), by the "
+                             "frames that allocated it, into OUT/memory_<engine>.txt (CUDA)")
     parser.add_argument("--rule-only", action="store_true",
                         help="dflash_tfm by its batch-size-aware rule alone (the engine a user "
                              "gets), no engine pinned to a budget")
@@ -92,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
         narrowed["memory_bytes"] = int(args.memory_gib * (1 << 30))
     if args.vllm_defaults:
         narrowed["memory_bytes"] = None
+    if args.memory_trace and (args.smoke or not torch.cuda.is_available()):
+        parser.error("--memory-trace records the CUDA allocator: it needs a CUDA GPU "
+                     "(not --smoke)")
     if args.max_num_seqs is not None:
         if not args.vllm_defaults or args.max_num_seqs < 1:
             parser.error("--max-num-seqs takes a count >= 1, with --vllm-defaults only")
@@ -105,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = dataclasses.replace(shapes, **narrowed)
     text = run(shapes, args.runner, tuple(args.methods), tuple(args.trees), args.out,
                args.work, args.deadline_s, args.profile, args.rule_only,
-               args.tfm_sync_scheduling)
+               args.tfm_sync_scheduling, memory_trace=args.memory_trace)
     print(text)
     return 1 if "FAILED:" in text else 0
 

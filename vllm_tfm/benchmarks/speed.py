@@ -31,6 +31,7 @@ trained tiny family's ``eval_acceptance`` numbers.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import json
@@ -41,6 +42,7 @@ import time
 from pathlib import Path
 
 from vllm_tfm.benchmarks.gpu_clocks import ClockSampler
+from vllm_tfm.benchmarks.memory_trace import trace_engine_start
 from vllm_tfm.benchmarks.step_phases import (
     PHASES,
     collect_steps,
@@ -483,14 +485,16 @@ def engine_label(result: dict) -> str:
 def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                deadline: float, log, budget: int | None = None,
                profile_dir: Path | None = None, rule_engine: bool = False,
-               tree: str | None = None, tfm_sync_scheduling: bool = False) -> dict:
+               tree: str | None = None, tfm_sync_scheduling: bool = False,
+               memory_dir: Path | None = None) -> dict:
     """One engine for ``method`` (for dflash_tfm: of num_speculative_tokens ``budget``,
     started with tree kind ``tree``; on V2 pinned to it, or with ``rule_engine`` drafting
     by the default budget rule; with ``tfm_sync_scheduling`` turning async scheduling off;
     otherwise every engine runs vLLM's default, async on V2):
     every context, batch (smallest first) and, for dflash_tfm, every (tree, budget)
     setting; the engine's memory capacity. With ``profile_dir``, the engine's first cell
-    at each batch size is also profiled (``profile_cell``) into a file there."""
+    at each batch size is also profiled (``profile_cell``) into a file there; with
+    ``memory_dir``, where its start-up's GPU memory goes (``memory_trace``) likewise."""
     import torch
     from vllm import LLM
 
@@ -512,15 +516,20 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
             table = ((MAX_BATCH, max_budget),)
     sync = method == TFM and tfm_sync_scheduling
     width = shapes.expand_width if method == TFM else None
-    llm = LLM(model=models["target"],
-              speculative_config=speculative_config(method, models, max_budget, table, width,
-                                                    tree),
-              **engine_kwargs(shapes, runner, query_lens),
-              **({"async_scheduling": False} if sync else {}))
     result = {"method": method, "engine_budget": budget, "engine_rule": rule_engine,
               "engine_tree": tree if method == TFM and runner == "v2" else None,
-              "sync_scheduling": sync, "expand_width": width,
-              "start_s": time.perf_counter() - started, "cells": [],
+              "sync_scheduling": sync, "expand_width": width}
+    tracing = contextlib.nullcontext()
+    if memory_dir is not None:
+        name = profile_file_name(engine_label(result))
+        tracing = trace_engine_start(memory_dir / f"memory_{name}.txt")
+    with tracing:
+        llm = LLM(model=models["target"],
+                  speculative_config=speculative_config(method, models, max_budget, table,
+                                                        width, tree),
+                  **engine_kwargs(shapes, runner, query_lens),
+                  **({"async_scheduling": False} if sync else {}))
+    result |= {"start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
     log(f"{engine_label(result)}: engine up in {result['start_s']:.0f} s; "
         f"memory {result['memory']}")
@@ -819,12 +828,14 @@ def run_method_in_own_process(started: float, *args, **kwargs) -> dict:
 def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str, ...],
         out: Path, work: Path, deadline_s: float, profile: bool = False,
         rule_only: bool = False, tfm_sync_scheduling: bool = False,
-        own_processes: bool | None = None) -> str:
+        own_processes: bool | None = None, memory_trace: bool = False) -> str:
     """Every method's engine in turn (plain first: the others are compared with it); the
     report is rewritten after each. ``profile``: each engine's first cell at each batch
     size profiled too. ``rule_only``: dflash_tfm by its batch-size-aware rule alone (the
     engine a user gets), no engine pinned to a budget. ``tfm_sync_scheduling``: the
-    dflash_tfm engines turn async scheduling off (``run_method``). ``own_processes``:
+    dflash_tfm engines turn async scheduling off (``run_method``). ``memory_trace``: each
+    engine's start-up memory by window and frame into OUT/memory_<engine>.txt (CUDA
+    only). ``own_processes``:
     each engine in a process of its own (``run_method_in_own_process``; default: on CUDA
     under Inductor, whose engines leave memory held; engines sharing a process share its
     warm state: the first engine's profile run took 97 s of an H100, the next 5, 2026-12-05)."""
@@ -868,7 +879,8 @@ def run(shapes: Shapes, runner: str, methods: tuple[str, ...], trees: tuple[str,
             engine = (method, models, shapes, runner, settings, started + deadline_s)
             options = dict(budget=budget, profile_dir=out if profile else None,
                            rule_engine=rule, tree=tree,
-                           tfm_sync_scheduling=tfm_sync_scheduling)
+                           tfm_sync_scheduling=tfm_sync_scheduling,
+                           memory_dir=out if memory_trace else None)
             results.append(run_method_in_own_process(started, *engine, **options)
                            if own_processes else run_method(*engine, log=log, **options))
         except Exception as error:  # keep the other engines' numbers
