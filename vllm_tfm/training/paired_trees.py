@@ -104,18 +104,19 @@ def prompt_contexts(drafters: Drafters, specs: list[TreeSpec], prompt: torch.Ten
                                  generator=generator)[0]
 
     root = next_token(out.logits[0, -1])
+    seeds = torch.tensor([seed], device=device)
+    by_spec = [replace(drafters, first_exponent=spec.first_exponent) for spec in specs]
     table = torch.zeros(len(specs), positions, dtype=torch.float64)
     for position in range(positions):
         anchor = torch.tensor([session.length], device=device)
-        for index, spec in enumerate(specs):
+        for index, (spec, spec_drafters) in enumerate(zip(specs, by_spec)):
             draws = tree_samples if spec.sampled else 1
             for draw in range(draws):
                 tree_seeds = None
                 if spec.sampled:
-                    tree_seeds = derive_seeds(torch.tensor([seed], device=device),
-                                              position * tree_samples + draw)
-                drafted, _ = replace(drafters, first_exponent=spec.first_exponent).propose(
-                    spec.tree, spec.budget, root.view(1), aux, anchor, h_v, tree_seeds)
+                    tree_seeds = derive_seeds(seeds, position * tree_samples + draw)
+                drafted, _ = spec_drafters.propose(spec.tree, spec.budget, root.view(1), aux,
+                                                   anchor, h_v, tree_seeds)
                 table[index, position] += _expected(drafted, session, temperature) / draws
         out = session.extend(root.view(1, 1))
         aux = torch.cat([aux, out.aux], 1)
