@@ -390,7 +390,8 @@ def test_memory_windows_group_what_a_window_allocated_by_its_frames():
             _frame("/x/torch/nn/module.py", 1, "_call_impl")]
     theirs = [_frame("/x/vllm_tfm/benchmarks/speed.py", 5, "run_method"),
               _frame("/x/vllm/v1/worker/gpu/model_runner.py", 7, "execute_model")]
-    elsewhere = [_frame("/x/torch/cuda/graphs.py", 2, "capture")]
+    elsewhere = [_frame("??", 0, "torch::unwind::unwind()"),
+                 _frame("/x/torch/cuda/graphs.py", 2, "capture")]
     assert frame_key(ours) == "gdn.py:43:tree_gdn_core < gdn.py:9:forward"
     assert frame_key(theirs) == "model_runner.py:7:execute_model"  # the tool's own: skipped
     assert frame_key(elsewhere) == "graphs.py:2:capture" and frame_key([]) == "?"

@@ -40,10 +40,12 @@ def _ours(filename: str) -> bool:
 
 def frame_key(frames: list[dict], depth: int = 2) -> str:
     """Where an allocation was made: its innermost ``depth`` frames of the plugin, then of
-    vLLM (file:line:function, innermost first); other frames where neither appears."""
+    vLLM (file:line:function, innermost first); other Python frames where neither appears
+    (the allocator's C++ frames come first in a trace and say nothing of the caller)."""
     ours = [f for f in frames if _ours(f["filename"])]
     vllm = [f for f in frames if "/vllm/" in f["filename"]]
-    picked = (ours[:depth] + vllm[:depth]) or frames[:depth]
+    python = [f for f in frames if f["filename"].endswith(".py")]
+    picked = (ours[:depth] + vllm[:depth]) or python[:depth] or frames[:depth]
     return " < ".join(f"{Path(f['filename']).name}:{f['line']}:{f['name']}"
                       for f in picked) or "?"
 
