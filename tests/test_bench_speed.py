@@ -402,19 +402,29 @@ def test_memory_windows_group_what_a_window_allocated_by_its_frames():
     def free(addr):
         return {"action": "free_requested", "addr": addr, "size": 0, "frames": []}
 
-    events = [alloc(1, 100, elsewhere),                       # before the window: weights
-              alloc(2, 40, ours), alloc(3, 30, theirs),       # the window from index 1
+    def segment(action, addr, size, frames=()):
+        return {"action": action, "addr": addr, "size": size, "frames": list(frames)}
+
+    events = [segment("segment_alloc", 100, 200, elsewhere),  # before the window
+              alloc(1, 100, elsewhere),                       # before the window: weights
+              alloc(2, 40, ours), alloc(3, 30, theirs),       # the window from index 2
+              segment("segment_alloc", 300, 64, theirs),      # a pool grows; nothing live
+              segment("segment_alloc", 400, 32, ours), segment("segment_free", 400, 32),
+              segment("segment_map", 500, 16, ours),          # an expandable segment's page
               free(3), alloc(4, 10, theirs),                  # peak 170 was before this free
               alloc(5, 5, ours), free(4)]
-    w = window(events, 1, "capture")
+    w = window(events, 2, "capture")
     assert w.peak_bytes == 170
     assert w.at_peak == [("gdn.py:43:tree_gdn_core < gdn.py:9:forward", 40),
                          ("model_runner.py:7:execute_model", 30)]
     assert w.kept == [("gdn.py:43:tree_gdn_core < gdn.py:9:forward", 45)]
+    assert w.reserved == [("model_runner.py:7:execute_model", 64),
+                          ("gdn.py:43:tree_gdn_core < gdn.py:9:forward", 16)]
     text = format_window(w)
     assert text.startswith("== capture: 0.00 GiB live at its peak") and "still live" in text
+    assert "segments it reserved, still held at its end" in text
     empty = window(events, len(events), "empty")  # no event inside: the live set as it is
-    assert empty.peak_bytes == 145 and empty.at_peak == [] and empty.kept == []
+    assert (empty.peak_bytes, empty.at_peak, empty.kept, empty.reserved) == (145, [], [], [])
 
 
 def test_memory_trace_needs_a_cuda_gpu(capsys):
@@ -458,3 +468,4 @@ def test_memory_trace_reports_each_window_of_a_start(tmp_path):
     profile = text.split("== compile_or_warm_up_model")[0]
     kept = profile.split("still live at its end")[1]
     assert "0.001 GiB  " in kept and "test_bench_speed.py" in kept  # the 1 MiB it kept
+    assert "segments it reserved, still held at its end" in profile

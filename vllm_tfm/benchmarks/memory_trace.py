@@ -7,6 +7,9 @@ For each window: the live bytes at its peak, and of what the window itself alloc
 was live at that peak and what is still live at its end. The last is what a start-up keeps
 beyond its KV cache: it found the GDN commit records that every captured graph size kept
 (2.49 GiB at max_num_seqs 8, Qwen3.6-27B shapes on an H100; BENCHMARKS.md, stop 44).
+Last, the segments the window reserved from CUDA and still holds at its end, by the frame
+whose allocation reserved them: memory a graph pool keeps though nothing in it is live
+(vLLM's "CUDA graph pool memory" counts it) shows here and in no allocation.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class Window:
     peak_bytes: int
     at_peak: list[tuple[str, int]]
     kept: list[tuple[str, int]]
+    reserved: list[tuple[str, int]]
 
 
 def _ours(filename: str) -> bool:
@@ -50,18 +54,32 @@ def frame_key(frames: list[dict], depth: int = 2) -> str:
                       for f in picked) or "?"
 
 
+# Allocator trace actions that take memory and give it back: blocks, then CUDA segments
+# (mapped pages of expandable segments count as segments).
+BLOCK_ACTIONS = ({"alloc"}, {"free_requested"})
+SEGMENT_ACTIONS = ({"segment_alloc", "segment_map"}, {"segment_free", "segment_unmap"})
+
+
 def window(events: list[dict], start: int, name: str, top: int = 12) -> Window:
     """The window of allocator ``events`` (``torch.cuda.memory._snapshot()``'s device
     trace: ``action``, ``addr``, ``size``, ``frames``) from index ``start`` on."""
+    taken, given = BLOCK_ACTIONS
+    seg_taken, seg_given = SEGMENT_ACTIONS
     live: dict[int, tuple[int, dict]] = {}
+    segments: dict[int, tuple[int, dict]] = {}
     total = 0
     peak, at_peak = -1, {}
     for index, event in enumerate(events):
-        if event["action"] == "alloc":
+        action = event["action"]
+        if action in taken:
             live[event["addr"]] = (index, event)
             total += event["size"]
-        elif event["action"] == "free_requested" and event["addr"] in live:
+        elif action in given and event["addr"] in live:
             total -= live.pop(event["addr"])[1]["size"]
+        elif action in seg_taken:
+            segments[event["addr"]] = (index, event)
+        elif action in seg_given:
+            segments.pop(event["addr"], None)
         if index >= start and total > peak:
             peak, at_peak = total, dict(live)
     if peak < 0:  # nothing happened in the window
@@ -74,15 +92,23 @@ def window(events: list[dict], start: int, name: str, top: int = 12) -> Window:
                 sizes[frame_key(event.get("frames", []))] += event["size"]
         return sizes.most_common(top)
 
-    return Window(name, peak, grouped(at_peak.values()), grouped(live.values()))
+    return Window(name, peak, grouped(at_peak.values()), grouped(live.values()),
+                  grouped(segments.values()))
 
 
 def format_window(w: Window) -> str:
-    lines = [f"== {w.name}: {w.peak_bytes / GIB:.2f} GiB live at its peak; of what it "
-             f"allocated, {sum(s for _, s in w.at_peak) / GIB:.2f} GiB live then, by frame:"]
-    lines += [f"  {size / GIB:8.3f} GiB  {key}" for key, size in w.at_peak]
-    lines.append(f"   still live at its end: {sum(s for _, s in w.kept) / GIB:.2f} GiB, by frame:")
-    lines += [f"  {size / GIB:8.3f} GiB  {key}" for key, size in w.kept]
+    def gib(rows) -> str:
+        return f"{sum(size for _, size in rows) / GIB:.2f} GiB"
+
+    sections = [(f"== {w.name}: {w.peak_bytes / GIB:.2f} GiB live at its peak; of what it "
+                 f"allocated, {gib(w.at_peak)} live then, by frame:", w.at_peak),
+                (f"   still live at its end: {gib(w.kept)}, by frame:", w.kept),
+                (f"   segments it reserved, still held at its end: {gib(w.reserved)}, by the "
+                 "frame that reserved them:", w.reserved)]
+    lines = []
+    for title, rows in sections:
+        lines.append(title)
+        lines += [f"  {size / GIB:8.3f} GiB  {key}" for key, size in rows]
     return "\n".join(lines) + "\n"
 
 
