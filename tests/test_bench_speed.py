@@ -423,6 +423,11 @@ def test_memory_windows_group_what_a_window_allocated_by_its_frames():
     text = format_window(w)
     assert text.startswith("== capture: 0.00 GiB live at its peak") and "still live" in text
     assert "segments it reserved, still held at its end" in text
+    gib = 2**30  # each section's total counts the frames past ``top`` too
+    big = window([alloc(1, 3 * gib, ours), alloc(2, gib, theirs)], 0, "big")
+    shown = format_window(big, top=1)
+    assert "of what it allocated, 4.00 GiB live then" in shown
+    assert "gdn.py:43:tree_gdn_core" in shown and "execute_model" not in shown
     empty = window(events, len(events), "empty")  # no event inside: the live set as it is
     assert (empty.peak_bytes, empty.at_peak, empty.kept, empty.reserved) == (145, [], [], [])
 

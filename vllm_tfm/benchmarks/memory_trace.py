@@ -60,7 +60,7 @@ BLOCK_ACTIONS = ({"alloc"}, {"free_requested"})
 SEGMENT_ACTIONS = ({"segment_alloc", "segment_map"}, {"segment_free", "segment_unmap"})
 
 
-def window(events: list[dict], start: int, name: str, top: int = 12) -> Window:
+def window(events: list[dict], start: int, name: str) -> Window:
     """The window of allocator ``events`` (``torch.cuda.memory._snapshot()``'s device
     trace: ``action``, ``addr``, ``size``, ``frames``) from index ``start`` on."""
     taken, given = BLOCK_ACTIONS
@@ -90,13 +90,14 @@ def window(events: list[dict], start: int, name: str, top: int = 12) -> Window:
         for index, event in blocks:
             if index >= start:
                 sizes[frame_key(event.get("frames", []))] += event["size"]
-        return sizes.most_common(top)
+        return sizes.most_common()
 
     return Window(name, peak, grouped(at_peak.values()), grouped(live.values()),
                   grouped(segments.values()))
 
 
-def format_window(w: Window) -> str:
+def format_window(w: Window, top: int = 12) -> str:
+    """The window's report: each section's total over every frame, its ``top`` frames."""
     def gib(rows) -> str:
         return f"{sum(size for _, size in rows) / GIB:.2f} GiB"
 
@@ -108,7 +109,7 @@ def format_window(w: Window) -> str:
     lines = []
     for title, rows in sections:
         lines.append(title)
-        lines += [f"  {size / GIB:8.3f} GiB  {key}" for key, size in rows]
+        lines += [f"  {size / GIB:8.3f} GiB  {key}" for key, size in rows[:top]]
     return "\n".join(lines) + "\n"
 
 
@@ -134,7 +135,7 @@ def trace_engine_start(path: Path, worker_class=None, top: int = 12):
                 return original(self, *args, **kwargs)
             finally:
                 with path.open("a", encoding="utf-8") as file:
-                    file.write(format_window(window(events(), start, name, top)))
+                    file.write(format_window(window(events(), start, name), top))
 
         return method
 
