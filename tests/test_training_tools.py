@@ -13,7 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT, build_chain
+from vllm_tfm.drafting.builders import (
+    DDTREE_SAMPLED_FIRST_RANK_EXPONENT,
+    SAMPLED_FIRST_RANK_EXPONENT,
+    build_chain,
+)
 from vllm_tfm.drafting.weaver import WeaverConfig
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver, random_weaver
 from vllm_tfm.tiny import family as tiny_family
@@ -511,7 +515,7 @@ def test_eval_acceptance_drafts_at_the_expand_width_and_first_exponent_asked(tra
             "--out", str(tmp_path / "eval.json"), "--num-prompts", "1", "--prompt-len", "8",
             "--max-new-tokens", "4", "--budgets", "8", "--methods", "weaver", "--device", "cpu"]
     eval_acceptance.main([*args, "--temperatures", "0", "--expand-width", "3"])
-    assert calls and set(calls) == {(3, SAMPLED_FIRST_RANK_EXPONENT, False)}
+    assert calls and set(calls) == {(3, None, False)}  # each kind's own exponent
     calls.clear()
     eval_acceptance.main([*args, "--temperatures", "1", "--tree-draws", "sampled",
                           "--first-exponent", "0.25"])
@@ -528,7 +532,8 @@ def test_compare_trees_pairs_specs_on_the_same_contexts(trained, tmp_path):
     specs = ["ddtree:8:sampled", "weaver:8:sampled", "weaver:8:sampled:1", "weaver:8", "chain:4"]
     rows = paired_trees.main([*args, "--out", str(tmp_path / "a.json"), "--specs", *specs])
     assert [row["spec"] for row in rows] == [
-        "ddtree:8:sampled", f"weaver:8:sampled:{SAMPLED_FIRST_RANK_EXPONENT:g}",
+        f"ddtree:8:sampled:{DDTREE_SAMPLED_FIRST_RANK_EXPONENT:g}",
+        f"weaver:8:sampled:{SAMPLED_FIRST_RANK_EXPONENT:g}",
         "weaver:8:sampled:1", "weaver:8", "chain:4"]
     assert rows[0]["ratio_to_first"] == 1 and rows[0]["difference_to_first"] == 0
     report = json.loads((tmp_path / "a.json").read_text())
@@ -544,6 +549,8 @@ def test_compare_trees_pairs_specs_on_the_same_contexts(trained, tmp_path):
     assert again[0]["tau_per_position"] == rows[2]["tau_per_position"]
     assert again[1]["tau_per_position"] == rows[0]["tau_per_position"]
 
+    explicit = paired_trees.TreeSpec.parse("ddtree:8:sampled:0.5")
+    assert (explicit.first_exponent, explicit.label) == (0.5, "ddtree:8:sampled:0.5")
     for bad, message in [("weaver:8:sampled:1.5", "FIRST_EXPONENT"),
                          ("chain:4:sampled", "the third field"), ("tree:8", "KIND in"),
                          ("weaver:x", "BUDGET must be an int")]:

@@ -371,18 +371,29 @@ def test_default_expand_width():
 
 # -- sampled trees ----------------------------------------------------------------------
 
-def test_sampled_tree_has_the_ddtree_shape_and_its_draws():
+@pytest.mark.parametrize("first_exponent", [1.0, 0.5, 0.3])
+def test_sampled_tree_has_the_ddtree_shape_and_its_draws(first_exponent):
+    """The shape is DDTree's over the marginals with each depth's largest log-prob times
+    ``first_exponent`` (brute force); the children are draws from the marginals themselves."""
     gen = torch.Generator().manual_seed(4)
     R, D, P, V, budget = 4, 4, 5, 30, 14
     roots, ids, logits = make_pools(gen, R, D, P, V, holes=True)
     seeds = torch.tensor([3, 1, 4, 1], dtype=torch.int64)
-    tree = build_sampled_tree(roots, ids, logits, budget, seeds)
+    tree = build_sampled_tree(roots, ids, logits, budget, seeds, first_exponent=first_exponent)
     check_invariants(tree, budget, D)
-    shape = build_ddtree(roots, ids, logits, budget)
-    assert torch.equal(tree.parents, shape.parents) and torch.equal(tree.depths, shape.depths)
-    assert torch.equal(tree.num_nodes, shape.num_nodes)
-    children, counts = tree.children()
     marginal = torch.log_softmax(logits, -1)
+    scaled = marginal.clone()
+    for r in range(R):
+        for d in range(D):
+            top = int(marginal[r, d].argmax())
+            scaled[r, d, top] = marginal[r, d, top] * first_exponent
+        want = brute_ddtree(int(roots[r]), ids[r], scaled[r], budget)
+        assert [row[1:3] for row in tree_rows(tree, r)] == [row[1:3] for row in want]
+    if first_exponent == 1.0:
+        shape = build_ddtree(roots, ids, logits, budget)
+        assert torch.equal(tree.parents, shape.parents) and torch.equal(tree.depths, shape.depths)
+        assert torch.equal(tree.num_nodes, shape.num_nodes)
+    children, counts = tree.children()
     for r in range(R):
         for i in range(int(tree.num_nodes[r])):
             d = int(tree.depths[r, i])
@@ -603,6 +614,8 @@ def test_bad_inputs_name_the_field():
         ("max_depth", lambda: build_weaver_tree(roots, ids, session, 4, max_depth=4)),
         ("expand_width", lambda: build_weaver_tree(roots, ids, session, 4, expand_width=0)),
         ("seeds", lambda: build_sampled_tree(roots, ids, logits, 4, seeds.int())),
+        ("first_exponent", lambda: build_sampled_tree(roots, ids, logits, 4, seeds,
+                                                      first_exponent=0.0)),
         ("session.expand", lambda: build_weaver_tree(roots, ids, bad_session, 4)),
     ]
     for field, call in cases:

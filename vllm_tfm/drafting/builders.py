@@ -56,6 +56,18 @@ BUILD_STREAM = 1
 # tokens' path q; eval_acceptance's tau 2.472 (path q), 2.560 (1), 2.668 (0.25), 2.751 (0.5).
 # At most 1: see push_children.
 SAMPLED_FIRST_RANK_EXPONENT = 0.5
+# A sampled DDTree tree keeps the marginals' own shape: 0.5 there too lost 1.8 % of
+# traversal's expected accepted length (committed family, T = 1, budget 64; BENCHMARKS.md,
+# "A first-rank exponent for sampled DDTree trees").
+DDTREE_SAMPLED_FIRST_RANK_EXPONENT = 1.0
+
+
+def sampled_first_exponent(tree: str, first_exponent: float | None = None) -> float:
+    """The first child slot's score exponent a sampled tree of kind ``tree`` is built with:
+    ``first_exponent``, or the kind's own where None."""
+    if first_exponent is not None:
+        return first_exponent
+    return SAMPLED_FIRST_RANK_EXPONENT if tree == "weaver" else DDTREE_SAMPLED_FIRST_RANK_EXPONENT
 
 
 class ChildConstraint(Protocol):
@@ -339,6 +351,7 @@ def build_sampled_tree(
     validate: bool = True,
     constraint: ChildConstraint | None = None,
     fixed_widths: bool = False,
+    first_exponent: float = DDTREE_SAMPLED_FIRST_RANK_EXPONENT,
 ) -> DraftTree:
     """DDTree's tree with SAMPLED children: the exact input of traversal.
 
@@ -346,8 +359,9 @@ def build_sampled_tree(
     drawn from the proposal it is given. Here:
 
     * the shape (which node has how many children) is the DDTree shape of the
-      marginals: a function of the drafter's outputs, never of the drawn
-      tokens;
+      marginals, each depth's largest log-probability times ``first_exponent``
+      (in (0, 1]; the first child slot, as in a sampled Weaver tree): a function
+      of the drafter's outputs, never of the drawn tokens;
     * the k children of an expanded node u at depth d are the first k of a
       Gumbel-top-k order of the marginal q_d over u's pool row: an ordered
       sample without replacement, in node order;
@@ -374,7 +388,7 @@ def build_sampled_tree(
     N = budget + 1
     batch = torch.arange(R, device=device)[:, None]
     marginal = torch.log_softmax(pool_logits.float(), dim=-1)
-    shape = _best_prefixes(marginal, budget)
+    shape = _best_prefixes(_first_rank_scaled(marginal, first_exponent), budget)
     tree = _assemble(root_tokens, shape, torch.zeros_like(shape.depth), shape.logq, max_depth=D)
     depth, parent, valid = tree.depths.long(), tree.parents.long(), tree.valid
     rank = torch.cat([torch.zeros_like(shape.rank[:, :1]), shape.rank], 1)
@@ -421,6 +435,15 @@ def build_sampled_tree(
         pool_ids=pool_ids,
         proposal_logq=proposal[:, :N].contiguous(),
     )
+
+
+def _first_rank_scaled(logp: torch.Tensor, first_exponent: float) -> torch.Tensor:
+    """[R, D, P] ``logp`` with each row's largest entry times ``first_exponent`` (in
+    (0, 1]: it stays the largest)."""
+    if not 0 < first_exponent <= 1:
+        raise ValueError(f"first_exponent must be in (0, 1], got {first_exponent}")
+    top = logp.argmax(-1, keepdim=True)
+    return logp.scatter(-1, top, logp.gather(-1, top) * first_exponent)
 
 
 def _has_children(parents: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from vllm_tfm.drafting.builders import (
-    SAMPLED_FIRST_RANK_EXPONENT,
     ChildConstraint,
     build_chain,
     build_ddtree,
     build_sampled_tree,
     build_weaver_tree,
+    sampled_first_exponent,
 )
 from vllm_tfm.drafting.tree import DraftTree
 from vllm_tfm.options import DEFAULT_FANOUT, SAMPLED_TREE_KINDS, TREE_KINDS
@@ -76,7 +76,7 @@ def draft_trees(
     sample_seeds: torch.Tensor | None = None,
     constraint: ChildConstraint | None = None,
     fixed_widths: bool = False,
-    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT,
+    first_exponent: float | None = None,
 ) -> DraftTree:
     """The draft trees of one round for R requests.
 
@@ -107,10 +107,12 @@ def draft_trees(
         fixed_widths: sampled DDTree trees only: the build that reads nothing back
             from the device (``build_sampled_tree``), the same trees (Weaver's builds
             never read back).
-        first_exponent: sampled Weaver trees only: the first child slot's score exponent
-            (``build_weaver_tree``).
+        first_exponent: sampled trees only: the first child slot's score exponent
+            (``build_weaver_tree``, ``build_sampled_tree``); None: the kind's own
+            (``builders.sampled_first_exponent``).
     """
     ids, scores = pools
+    first_exponent = sampled_first_exponent(tree, first_exponent)
     if sample_seeds is not None and tree not in SAMPLED_TREE_KINDS:
         raise ValueError(f"sampled trees exist for tree in {list(SAMPLED_TREE_KINDS)}, "
                          f"got {tree!r}")
@@ -120,7 +122,7 @@ def draft_trees(
     if tree == "ddtree" and sample_seeds is not None:
         return build_sampled_tree(root_tokens, ids, scores, budget, sample_seeds,
                                   validate=validate, constraint=constraint,
-                                  fixed_widths=fixed_widths)
+                                  fixed_widths=fixed_widths, first_exponent=first_exponent)
     if tree == "ddtree":
         return build_ddtree(root_tokens, ids, scores, budget, validate=validate,
                             constraint=constraint)

@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
 from vllm_tfm.drafting.draft_round import draft_depth, draft_trees
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import verify_greedy, verify_target_only, verify_traversal
@@ -54,14 +53,14 @@ class Drafters:
     prepared from the target. `pool_size` None: the pool the engine would use
     (`options.default_candidate_pool`); `expand_width` None: Weaver's nodes expanded per
     call as the engine's default (`options.default_expand_width`); `first_exponent`: a
-    sampled Weaver tree's first-slot exponent (`build_weaver_tree`)."""
+    sampled tree's first-slot exponent, None for each kind's own (`draft_trees`)."""
 
     target: TargetHead
     dflash: DFlashDrafter
     weaver: Weaver | None = None
     pool_size: int | None = None
     expand_width: int | None = None
-    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT
+    first_exponent: float | None = None
 
     def depth(self, tree: str, budget: int) -> int:
         """Draft positions D of a round, as the engine sizes them."""

@@ -39,7 +39,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
+from vllm_tfm.drafting.builders import (
+    DDTREE_SAMPLED_FIRST_RANK_EXPONENT,
+    SAMPLED_FIRST_RANK_EXPONENT,
+)
 from vllm_tfm.drafting.weaver_checkpoint import load_weaver
 from vllm_tfm.options import (AUTO_SAMPLED_TREE_MIN_TEMPERATURE, MAX_EXPAND_WIDTH,
                                SAMPLED_TREE_KINDS, TREE_KINDS)
@@ -88,9 +91,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tree-draws", nargs="+", default=list(TREE_DRAWS), choices=TREE_DRAWS,
                         help="at T>0, deterministic trees verified target-only and/or trees "
                         "with sampled children verified by traversal (DDTree, Weaver)")
-    parser.add_argument("--first-exponent", type=float, default=SAMPLED_FIRST_RANK_EXPONENT,
-                        help="sampled Weaver trees: the first child slot scores max q to this "
-                        "power, in (0, 1] (default: the engine's)")
+    parser.add_argument("--first-exponent", type=float, default=None,
+                        help="sampled trees: the first child slot scores max q to this "
+                        "power, in (0, 1] (default: the engine's for each kind, "
+                        f"{SAMPLED_FIRST_RANK_EXPONENT:g} for Weaver and "
+                        f"{DDTREE_SAMPLED_FIRST_RANK_EXPONENT:g} for DDTree)")
     return parser.parse_args(argv)
 
 
@@ -234,7 +239,7 @@ def load_drafters(args: argparse.Namespace, with_weaver: bool) -> Drafters:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    if not 0 < args.first_exponent <= 1:
+    if args.first_exponent is not None and not 0 < args.first_exponent <= 1:
         raise ValueError(f"--first-exponent must be in (0, 1], got {args.first_exponent}")
     drafters = load_drafters(args, "weaver" in args.methods)
     drafters.first_exponent = args.first_exponent

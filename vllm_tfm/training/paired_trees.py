@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_tfm.drafting.builders import SAMPLED_FIRST_RANK_EXPONENT
+from vllm_tfm.drafting.builders import sampled_first_exponent
 from vllm_tfm.drafting.tree import DraftTree, derive_seeds
 from vllm_tfm.drafting.verifiers import target_only_plan, traversal_plan, verify_greedy
 from vllm_tfm.options import SAMPLED_TREE_KINDS, TREE_KINDS
@@ -44,12 +44,12 @@ from vllm_tfm.training.target import DecodeSession
 @dataclass(frozen=True)
 class TreeSpec:
     """One configuration: ``KIND:BUDGET[:sampled[:FIRST_EXPONENT]]``, e.g. ``chain:15``,
-    ``ddtree:64``, ``weaver:64:sampled:0.5`` (the exponent: sampled Weaver trees only)."""
+    ``ddtree:64``, ``weaver:64:sampled:0.5`` (the exponent: sampled trees only)."""
 
     tree: str
     budget: int
     sampled: bool = False
-    first_exponent: float = SAMPLED_FIRST_RANK_EXPONENT
+    first_exponent: float | None = None  # None: the kind's own
 
     @classmethod
     def parse(cls, text: str) -> TreeSpec:
@@ -59,7 +59,7 @@ class TreeSpec:
             raise ValueError(f"spec {text!r}: expected {form} with KIND in {list(TREE_KINDS)}")
         try:
             budget = int(fields[1])
-            exponent = float(fields[3]) if len(fields) == 4 else SAMPLED_FIRST_RANK_EXPONENT
+            exponent = float(fields[3]) if len(fields) == 4 else None
         except ValueError:
             raise ValueError(f"spec {text!r}: BUDGET must be an int and FIRST_EXPONENT a "
                              f"number ({form})") from None
@@ -67,9 +67,8 @@ class TreeSpec:
         if sampled and (fields[2] != "sampled" or fields[0] not in SAMPLED_TREE_KINDS):
             raise ValueError(f"spec {text!r}: the third field can only be 'sampled', for "
                              f"kinds {list(SAMPLED_TREE_KINDS)}")
-        if len(fields) == 4 and (fields[0] != "weaver" or not 0 < exponent <= 1):
-            raise ValueError(f"spec {text!r}: FIRST_EXPONENT is for sampled weaver trees "
-                             "and must be in (0, 1]")
+        if exponent is not None and not 0 < exponent <= 1:
+            raise ValueError(f"spec {text!r}: FIRST_EXPONENT must be in (0, 1]")
         if budget < 1:
             raise ValueError(f"spec {text!r}: BUDGET must be >= 1")
         return cls(fields[0], budget, sampled, exponent)
@@ -78,9 +77,7 @@ class TreeSpec:
     def label(self) -> str:
         text = f"{self.tree}:{self.budget}"
         if self.sampled:
-            text += ":sampled"
-            if self.tree == "weaver":
-                text += f":{self.first_exponent:g}"
+            text += f":sampled:{sampled_first_exponent(self.tree, self.first_exponent):g}"
         return text
 
 
