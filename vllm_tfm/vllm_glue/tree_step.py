@@ -138,9 +138,8 @@ class GDNCommitRecord:
         return GDNCommitRecord(
             ssm_state=self.ssm_state, conv_state=self.conv_state, slots=self.slots[:count],
             requests=requests, meta=meta,
-            verify_out=type(out)(**{field.name: None if value is None else value[:count]
-                                    for field in dataclasses.fields(out)
-                                    for value in [getattr(out, field.name)]}),
+            verify_out=type(out)(**{name: None if value is None else value[:count]
+                                    for name, value in vars(out).items()}),
             conv_inputs=self.conv_inputs[:count],
         )
 
