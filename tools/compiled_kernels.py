@@ -32,7 +32,8 @@ from triton_ops.testing import compile_sm90, device_triton, random_tree_metadata
 H, HV, K = 16, 48, 128
 
 
-def verify_launches(N: int, B: int, kernel: str, block_v: int | None, num_warps: int | None) -> list:
+def verify_launches(N: int, B: int, kernel: str, block_v: int | None, num_warps: int | None,
+                    prepare_warps: int | None = None, k_chunk: int | None = None) -> list:
     """The launches of one verify call at N x B, recorded as CUDA would run them."""
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(B, N, H, K, generator=gen).bfloat16() for _ in range(2))
@@ -43,7 +44,8 @@ def verify_launches(N: int, B: int, kernel: str, block_v: int | None, num_warps:
     meta = random_tree_metadata(gen, ["bushy"] * B, N, [N] * B)
     with recording_launches() as launches:
         verify_triton(q, k, v, g, beta, state, torch.arange(B), meta, K ** -0.5, True,
-                      DEFAULT_PRECISION, kernel=kernel, block_v=block_v, num_warps=num_warps)
+                      DEFAULT_PRECISION, kernel=kernel, block_v=block_v, num_warps=num_warps,
+                      prepare_warps=prepare_warps, k_chunk=k_chunk)
     return launches
 
 
@@ -69,6 +71,8 @@ def main(argv=None) -> int:
                         help="BV x warps pairs, or default (the dispatch's), comma-separated")
     parser.add_argument("--kernel", choices=VERIFY_KERNELS, default=None,
                         help="verify kernel (default: the dispatch's for each shape)")
+    parser.add_argument("--prepare-warps", type=int, default=None, help="warps of a split's first kernel")
+    parser.add_argument("--k-chunk", type=int, default=None, help="key columns a pass (or a factored prepare program) takes")
     parser.add_argument("--compiler", choices=("device", "local"), default="device")
     parser.add_argument("--lines", type=int, default=0, help="source lines with most instructions to list")
     parser.add_argument("--out", type=Path, default=None, help="also append the table to this file")
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
             if num_warps and not kernel_takes_warps(kernel, num_warps):
                 details.append(f"\n{kernel} at {N} x {B} takes no {num_warps} warps (PEELED_MAX_WARPS): not compiled")
                 continue
-            launches = verify_launches(N, B, kernel, block_v, num_warps)
+            launches = verify_launches(N, B, kernel, block_v, num_warps, args.prepare_warps, args.k_chunk)
             for launch, report in zip(launches, compile_sm90(launches, root, args.lines)):
                 options = launch[2]
                 shape = f"{options.get('BV', '-')} x {options.get('num_warps', '-')}"
