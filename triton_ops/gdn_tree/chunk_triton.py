@@ -1196,36 +1196,9 @@ def _verify_factored_prepare_kernel(
     # below is zero there and the output kernel reads zeros.
     g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
     gr_hi, gr_lo = fp32_pair(g_r)
-    if PEEL:  # node 0's column first, while few tiles are alive
+    if PEEL:  # node 0's products first, while few tiles are alive
         k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC,
                                    PREC, LOWP_QK)
-    # K K^T and the solve, then Q K^T: the two [NP, NP] products are never alive at once.
-    kk = tl.zeros([NP, NP], dtype=tl.float32)
-    k_sq = tl.zeros([NP], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
-    b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
-    decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), gr_hi, gr_lo, gr_hi, gr_lo)
-    a = tl.where(rows[:, None] > rows[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-    eye = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
-    t = block_forward_solve(a, eye, NP, BT, PREC)
-    w_rr = t * b_beta[None, :]
-    qk = tl.zeros([NP, NP], dtype=tl.float32)
-    q_sq = tl.zeros([NP], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        ck = j * BKC + tl.arange(0, BKC)
-        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-        qk += dot_raw(b_q, tl.trans(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)), PREC, LOWP_QK)
-        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
-    p_rr = qk * (rq[:, None] * rk[None, :]) * decay
-    m_rr = tl.dot(p_rr, w_rr, input_precision=PREC)
-    e_g = tl.exp(gr_hi)
-
-    if PEEL:  # node 0: Delta_0 = beta_0 (v_0 - x_0 S0), x_0 = e^{g_0} k_0 / |k_0|
         k0_sq = tl.zeros([BKC], dtype=tl.float32)
         q0_sq = tl.zeros([BKC], dtype=tl.float32)
         q0_k0 = tl.zeros([BKC], dtype=tl.float32)
@@ -1244,10 +1217,37 @@ def _verify_factored_prepare_kernel(
         g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
         decay0 = tl.sum(masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo,
                                      g_root, g_root * 0), axis=1)
-        # Rows: (I + A_rr) Delta_r = beta_r U_r - a_r0 Delta_0, so Delta_r gains -T_rr a_r0 beta_0
-        # times U_0 (w_r0) and O_r gains P_rr w_r0 + p_r0 beta_0 (m_r0), U_0 = v_0 - x_0 S0.
-        a_r0 = b_beta * rk * rk0 * k_k0 * decay0
-        w_r0 = -beta0 * tl.sum(t * a_r0[None, :], axis=1)
+    # K K^T and the solve, then Q K^T: the two [NP, NP] products are never alive at once.
+    kk = tl.zeros([NP, NP], dtype=tl.float32)
+    k_sq = tl.zeros([NP], dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
+        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
+        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
+    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
+    b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
+    decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), gr_hi, gr_lo, gr_hi, gr_lo)
+    a = tl.where(rows[:, None] > rows[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
+    eye = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
+    t = block_forward_solve(a, eye, NP, BT, PREC)
+    w_rr = t * b_beta[None, :]
+    if PEEL:
+        # Node 0: Delta_0 = beta_0 U_0, U_0 = v_0 - x_0 S0 with x_0 = e^{g_0} k_0 / |k_0|. The rows
+        # solve (I + A_rr) Delta_r = beta_r U_r - a_r0 Delta_0, so Delta_r gains w_r0 U_0,
+        # w_r0 = -beta_0 T_rr a_r0, and O_r gains m_r0 U_0, m_r0 = P_rr w_r0 + p_r0 beta_0.
+        w_r0 = -beta0 * tl.sum(t * (b_beta * rk * rk0 * k_k0 * decay0)[None, :], axis=1)
+    qk = tl.zeros([NP, NP], dtype=tl.float32)
+    q_sq = tl.zeros([NP], dtype=tl.float32)
+    for j in tl.static_range(BK // BKC):
+        ck = j * BKC + tl.arange(0, BKC)
+        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
+        qk += dot_raw(b_q, tl.trans(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)), PREC, LOWP_QK)
+        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
+    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
+    p_rr = qk * (rq[:, None] * rk[None, :]) * decay
+    m_rr = tl.dot(p_rr, w_rr, input_precision=PREC)
+    e_g = tl.exp(gr_hi)
+    if PEEL:
         m_r0 = tl.sum(p_rr * w_r0[None, :], axis=1) + rq * rk0 * q_k0 * decay0 * beta0
         m_00 = rq0 * rk0 * tl.sum(q0_k0) * beta0
         e_g0 = tl.exp(g0)
