@@ -41,8 +41,13 @@ def test_cuda_engines_capture_full_decode_graphs_with_or_without_torch_compile(c
     assert config["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 520]
     # The rule engine: each batch at the query length the rule gives it (64 nodes at batch
     # 1, 16 at batch 8), not 520 tokens it never runs.
-    rule = speed.engine_kwargs(shapes, "v2", query_lens=lambda b: (1 + speed.rule_budget(64, b),))
+    rule = speed.engine_kwargs(shapes, "v2", query_lens=lambda b: (1 + speed.rule_budget(64, b),),
+                               reserved_len=65)
     assert rule["compilation_config"]["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 136]
+    # vLLM's scheduler charges every decoding request 1 + num_speculative_tokens: a prompt
+    # beside 8 requests of 65 tokens, though the rule's steps at batch 8 draft 16.
+    assert rule["max_num_batched_tokens"] == 1024 + 8 * 65
+    assert kwargs["max_num_batched_tokens"] == 1024 + 520
 
 
 def test_vllm_defaults_leave_memory_and_scheduling_to_vllm():

@@ -215,7 +215,8 @@ def speculative_config(method: str, models: dict, max_budget: int,
     return config
 
 
-def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,)) -> dict:
+def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFLASH_DRAFT_DEPTH,),
+                  reserved_len: int = 1 + DFLASH_DRAFT_DEPTH) -> dict:
     """LLM keyword arguments: on CUDA the GPU check's engine settings with full decode
     graphs (tools/gpu_e2e.py) captured for every measured batch of one token and of each
     of ``query_lens(batch)`` tokens per request (1 + every k the engine's steps draft at
@@ -225,12 +226,12 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
     runs a batch's draft round eagerly). A step schedules at most a prompt and the
-    largest decode step: model runner V2's warm-up runs max_num_batched_tokens // (2 + k)
-    requests (at most max_num_seqs) of 1 + k sampled rows, k = num_speculative_tokens,
-    and at 8192 tokens a 64-node rule engine warmed up 32 requests of 65 rows, whose
-    [rows, vocabulary] fp32 verifier copies (~2 GiB each) ran an H100 out of memory
-    beside 55 GiB of weights and 11 GiB of KV (2026-12-07), although its steps at 32
-    requests draft 17-node trees."""
+    largest decode step, whose requests vLLM's scheduler charges ``reserved_len`` = 1 + k
+    tokens each, k = num_speculative_tokens, whatever k the step drafts (at 1024 + 512
+    tokens the rule engine of k = 64 ran 23 of 32 requests, H100, 2026-12-07). Model runner
+    V2's warm-up then verifies up to max_num_seqs requests of 1 + k rows, a group of
+    requests at a time (``VERIFY_CHUNK_BYTES``: before it, 32 requests of 65 rows ran an
+    H100 out of memory)."""
     max_model_len = max(shapes.contexts) + 1024
     batches = shapes.batches + (shapes.long_batches or ())
     fixed = shapes.memory_bytes is not None
@@ -258,7 +259,7 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     compilation = {**graphs["compilation_config"], "cudagraph_capture_sizes": sizes,
                    "max_cudagraph_capture_size": sizes[-1]}
     return {**engine, "compilation_config": compilation,
-            "max_num_batched_tokens": max(shapes.contexts) + sizes[-1],
+            "max_num_batched_tokens": max(shapes.contexts) + max(sizes[-1], max(batches) * reserved_len),
             "gpu_memory_utilization": 0.95}
 
 
@@ -527,7 +528,7 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
         llm = LLM(model=models["target"],
                   speculative_config=speculative_config(method, models, max_budget, table,
                                                         width, tree),
-                  **engine_kwargs(shapes, runner, query_lens),
+                  **engine_kwargs(shapes, runner, query_lens, max(fixed_lens)),
                   **({"async_scheduling": False} if sync else {}))
     result |= {"start_s": time.perf_counter() - started, "cells": [],
               "memory": memory_capacity(llm, shapes.contexts)}
