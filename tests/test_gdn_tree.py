@@ -447,10 +447,9 @@ def test_nothing_accepted_leaves_pool_bit_identical(backend, gen):
         assert torch.equal(p.view(as_bits), before.view(as_bits))
 
 
+@pytest.mark.parametrize("N", [40, 65, 96])
 @pytest.mark.parametrize(
-    "backend, kernel, N",
-    [("torch", None, N) for N in (40, 65, 96)]
-    + [("triton", kernel, N) for N in (40, 65, 96) for kernel in kernels_for(N)],
+    "backend, kernel", [("torch", None)] + [("triton", kernel) for kernel in chunk_triton.VERIFY_KERNELS]
 )
 def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen, monkeypatch):
     if kernel is not None:
@@ -472,7 +471,7 @@ def test_huge_gate_spread_stays_finite(backend, kernel, N, poisoned_outputs, gen
         assert rel_err(new_pool[int(slots[b])], ref_states[b, leaf[b]]) < FP32_TOL
 
 
-@pytest.mark.parametrize("kernel", kernels_for(65))
+@pytest.mark.parametrize("kernel", chunk_triton.VERIFY_KERNELS)
 def test_node_0_reaches_only_its_own_tree(kernel, poisoned_outputs, gen, monkeypatch):
     """The peeled kernels add node 0's column under the ancestor mask, so a forest needs no
     other path: here node 0 is a lone root and a 64-node chain (the rows after it fill one

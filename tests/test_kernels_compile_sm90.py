@@ -72,8 +72,7 @@ def gdn_inputs(gen, B=2, N=65, H=2, HV=4, K=128):
 
 def verify_kernel(kernel):
     def call(gen):
-        # The engine's 65 nodes where the kernel takes them, else 64 (the unpeeled factored).
-        q, k, v, g, beta, state, slots, meta = gdn_inputs(gen, N=65 if chunk_triton.kernel_takes(kernel, 65) else 64)
+        q, k, v, g, beta, state, slots, meta = gdn_inputs(gen)
         out = chunk_triton.verify_triton(q, k, v, g, beta, state, slots, meta, 128 ** -0.5,
                                          True, DEFAULT_PRECISION, kernel=kernel)
         if kernel == "tile":  # the commit consumes a verify's output: one layer, then two

@@ -578,12 +578,6 @@ SWEEP_CONFIGS = {
     + [SweepConfig(32, 4, fuse_parts=not FUSE_STATE_PARTS)],  # 8 warps never fuse (fuses_parts)
 }
 SWEEP_CONFIGS["peeled_tile"] = SWEEP_CONFIGS["tile"]
-# The output kernel's BV; the prepare kernel's warps and key columns a program (K chunk 128:
-# one program a head, 32: four, each re-forming the head's W and M). sm_90 spill stack at
-# 65 x 1, 4 warps: K chunk 32 / 64 / 128 520 / 680 / 856 B (tools/compiled_kernels.py).
-SWEEP_CONFIGS["factored"] = [SweepConfig(bv, 4, prepare_warps, k_chunk=k_chunk) for bv in (32, 64)
-                             for prepare_warps in (4, 8) for k_chunk in (32, 64, 128)]
-SWEEP_CONFIGS["peeled_factored"] = SWEEP_CONFIGS["factored"]
 
 
 # A launch configuration's bf16 verify output may differ from the default path's by a few

@@ -3,7 +3,8 @@ a GPU: registers, spill stack, SASS instructions, local loads and stores per lau
 optionally the source lines holding the most instructions.
 
     TRITON_INTERPRET=1 python tools/compiled_kernels.py --shapes 65x1,17x8 --configs default,32x8 \
-        [--kernel peeled_tile] [--compiler device|local] [--lines 20] [--out FILE]
+        [--kernel peeled_tile] [--prepare-warps 8] [--k-chunk 32] [--compiler device|local] \
+        [--lines 20] [--out FILE]
 
 Shapes are N x B (nodes x requests) at Qwen3.6-27B's GDN (H = 16, HV = 48, K = V = 128), bf16
 q/k/v and an fp32 state in vLLM's layout, bushy trees, every node real; each op is called as
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kernel", choices=VERIFY_KERNELS, default=None,
                         help="verify kernel (default: the dispatch's for each shape)")
     parser.add_argument("--prepare-warps", type=int, default=None, help="warps of a split's first kernel")
-    parser.add_argument("--k-chunk", type=int, default=None, help="key columns a pass (or a factored prepare program) takes")
+    parser.add_argument("--k-chunk", type=int, default=None, help="key columns a pass over K takes (verify_triton's k_chunk)")
     parser.add_argument("--compiler", choices=("device", "local"), default="device")
     parser.add_argument("--lines", type=int, default=0, help="source lines with most instructions to list")
     parser.add_argument("--out", type=Path, default=None, help="also append the table to this file")

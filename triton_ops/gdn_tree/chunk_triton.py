@@ -48,21 +48,6 @@ kernel's recurrent step and adds its column to every row block, as the peeled ti
 kernel does. At 65 nodes the workspace shrinks from 128 to 64 rows
 (``peel_shrinks_split``).
 
-Factored, at most 64 rows after the peel (``_verify_factored_prepare_kernel``, then
-``_verify_factored_output_kernel``): O and Delta are linear in S0 and V, so with
-``W = (I + A)^{-1} diag(beta)`` and ``M = P W``
-
-    Delta = W V - K' S0,   K' = W diag(e^G) K
-    O     = Q' S0 + M V,   Q' = diag(e^G) Q - M diag(e^G) K
-
-(the form fla's chunk kernels call WY). The prepare kernel forms W, M, Q' and K' once per
-head (a program per BKC key columns of Q', K', each re-forming W and M); the output kernel,
-one program per (request, value head, BV value columns), runs four independent products
-with no solve between them: where the tile kernel's programs each walk the dependent chain
-K S0 -> solve -> P Delta, these wait for nothing but their loads. Peeled: node 0 enters as
-column 0 of W and M (its ``Delta_0 = beta_0 (v_0 - e^{g_0} k_0 S0)`` gives rows the terms
-``-T a_r0 beta_0`` and ``P`` of that plus ``p_r0 beta_0``) and row 0 of Q', K'.
-
 Inside a block, ``(I + A_rr)^{-1}`` is formed from its 16x16 diagonal blocks,
 inverted row by row in plain fp32 (stable for repeated keys, where powers of A
 explode), merged by forward substitution over the 16-row blocks. Every verify
@@ -76,8 +61,7 @@ inputs at PREC. ``K S0`` and ``Q S0`` of bf16 inputs (PREC not tf32): the fp32
 state as three bf16 parts hi + mid + lo (off by < 2^-24 relative) against the exact
 bf16 keys, three native dots whose products are exact in the fp32 accumulator:
 fp32 accuracy without fp32 copies of K and Q; otherwise at PREC. The merges of
-the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's ``K^T Delta`` at PREC;
-the factored kernels' fp32 ``M``, ``Q'``, ``K'`` meet S0, V and the keys at PREC.
+the triangular solve, ``T U``, ``A Delta``, ``P Delta`` and commit's ``K^T Delta`` at PREC.
 
 Path sums G are accumulated and kept in float64; inside the kernels they are
 split into fp32 (hi, lo) pairs so that ``G_i - G_j`` is accurate in fp32 (see
@@ -134,13 +118,9 @@ TILE_MAX_NODES = 2 * MAX_SUPER_BLOCK
 TILE_DISPATCH_MAX_NODES = MAX_SUPER_BLOCK + 16
 # "peeled_tile", "peeled_split": the tile kernel and the split with node 0 solved first, as
 # one recurrent step.
-# "factored", "peeled_factored": the key-side matrices once per head, then the outputs as
-# independent products (at most MAX_SUPER_BLOCK rows after the peel).
-VERIFY_KERNELS = ("tile", "peeled_tile", "split", "peeled_split", "factored", "peeled_factored")
+VERIFY_KERNELS = ("tile", "peeled_tile", "split", "peeled_split")
 TILE_KERNELS = ("tile", "peeled_tile")
-FACTORED_KERNELS = ("factored", "peeled_factored")
-# Held to PEELED_MAX_WARPS (peeled_factored: unchecked at more warps on a GPU).
-PEELED_KERNELS = ("peeled_tile", "peeled_split", "peeled_factored")
+PEELED_KERNELS = ("peeled_tile", "peeled_split")
 # (request, value head) pairs, B * HV, from which the split runs instead of the tile
 # kernel: SPLIT_MIN_HEADS for every tree, SPLIT_MIN_HEADS_LARGE for trees of
 # SPLIT_LARGE_NODES nodes and more. The rule rests on these cells, measured on the H200
@@ -183,9 +163,7 @@ def default_verify_kernel(N: int, heads: int) -> str:
 
 def kernel_takes(kernel: str, N: int) -> bool:
     """Whether verify kernel ``kernel`` takes trees of N nodes (the tile kernels: two row
-    blocks of at most MAX_SUPER_BLOCK rows; the factored kernels: one, after the peel)."""
-    if kernel in FACTORED_KERNELS:
-        return N - (kernel in PEELED_KERNELS) <= MAX_SUPER_BLOCK
+    blocks of at most MAX_SUPER_BLOCK rows)."""
     return kernel not in TILE_KERNELS or N <= TILE_MAX_NODES
 
 
@@ -1032,8 +1010,7 @@ def verify_triton(
     kernel = kernel or default_verify_kernel(N, B * HV)
     if kernel not in VERIFY_KERNELS or not kernel_takes(kernel, N):
         raise ValueError(f"kernel must be one of {VERIFY_KERNELS} (the tile kernels only for N <= "
-                         f"{TILE_MAX_NODES}, the factored ones for at most {MAX_SUPER_BLOCK} nodes after "
-                         f"the peel), got {kernel!r} at N = {N}")
+                         f"{TILE_MAX_NODES}), got {kernel!r} at N = {N}")
     peel = int(kernel in PEELED_KERNELS)
     if kernel in TILE_KERNELS:
         first_rows, second_rows = tile_blocks(N - peel)
@@ -1056,11 +1033,6 @@ def verify_triton(
     BV = max(MIN_BLOCK_V, block_v or BV)
     warps = num_warps or warps
     check_warps(kernel, warps)
-    if kernel in FACTORED_KERNELS:
-        out = GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
-        launch_factored(q, k, v, g, beta, ssm_state, state_slots, words, meta.num_nodes, out, scale,
-                        use_qk_l2norm, precision, peel, BV, warps, prepare_warps or 4, BKC, lowp)
-        return out
     # Workspace: only the blocks a request's own rows need are written and read.
     NP = dot_block(N - peel)
     solve = torch.empty(B * HV, NP, NP, dtype=torch.float32, device=dev)
@@ -1084,38 +1056,6 @@ def verify_triton(
         BV=BV, SPLIT_S0=split_s0, NATIVE=native, num_warps=warps, **common,
     )
     return GDNTreeVerifyOutput(o=o, delta=delta, gate_sum=gate_sum, k_normed=k_normed)
-
-
-def launch_factored(q, k, v, g, beta, ssm_state, state_slots, words, num_nodes,
-                    out: GDNTreeVerifyOutput, scale, use_qk_l2norm, precision, peel, BV, warps,
-                    prepare_warps, BKC, lowp) -> None:
-    """The factored verify into ``out``: the prepare kernel, one program per (BKC key columns,
-    request, value head), writes W, M, Q' and K' (module docstring), the output kernel one per
-    (BV value columns, request, value head) forms O and Delta from them."""
-    B, N, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    BK = dot_block(K)
-    NP = dot_block(N - peel)
-    heads = B * HV
-    solve, mix = (torch.empty(heads, NP, NP, dtype=torch.float32, device=q.device) for _ in range(2))
-    q_eff, k_eff = (torch.empty(heads, peel + NP, BK, dtype=torch.float32, device=q.device) for _ in range(2))
-    # Node 0's column of W and M when peeled (never read otherwise).
-    solve_root, mix_root = (torch.empty(heads * (NP + 1) if peel else 1, dtype=torch.float32, device=q.device)
-                            for _ in range(2))
-    _verify_factored_prepare_kernel[(BK // BKC, heads)](
-        q, k, g, beta, words, num_nodes,
-        out.gate_sum, out.k_normed, solve, mix, solve_root, mix_root, q_eff, k_eff,
-        *q.stride(), *k.stride(), *g.stride(), *beta.stride(),
-        scale, N, HV, K, words.shape[-1],
-        GROUP=HV // H, NP=NP, PEEL=peel, BT=ROW_BLOCK, BK=BK, BKC=BKC, USE_L2=use_qk_l2norm, PREC=precision,
-        LOWP_QK=lowp, num_warps=prepare_warps,
-    )
-    _verify_factored_output_kernel[(triton.cdiv(V, BV), heads)](
-        v, ssm_state, state_slots, num_nodes, solve, mix, solve_root, mix_root, q_eff, k_eff, out.o, out.delta,
-        *v.stride(), *ssm_state.stride(),
-        N, HV, K, V,
-        NP=NP, PEEL=peel, BK=BK, BKC=BKC, BV=BV, PREC=precision, num_warps=warps,
-    )
 
 
 def commit_triton(
@@ -1152,194 +1092,3 @@ def commit_triton(
         GROUP=HV // H, NP=dot_block(N - peel), PEEL=peel, BK=BK, BV=BV, PREC=precision,
         LAYERS=layers is not None, ALIGNED=aligned, num_warps=num_warps,
     )
-
-
-@triton.jit
-def _verify_factored_prepare_kernel(
-    q, k, g, beta, words, num_nodes,
-    gate_sum, k_normed, solve, mix, solve_root, mix_root, q_eff, k_eff,
-    stride_qb, stride_qn, stride_qh, stride_qk,
-    stride_kb, stride_kn, stride_kh, stride_kk,
-    stride_gb, stride_gn, stride_gh,
-    stride_bb, stride_bn, stride_bh,
-    scale, N, HV, K, W,
-    GROUP: tl.constexpr, NP: tl.constexpr, PEEL: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BKC: tl.constexpr, USE_L2: tl.constexpr, PREC: tl.constexpr, LOWP_QK: tl.constexpr,
-):
-    # Program (i_c, i_bh) forms its head's W = (I + A)^{-1} diag(beta) and M = P W (every
-    # program of the head: the chain is short next to a second launch) and its own BKC key
-    # columns of Q' = e^G Q - M e^G K and K' = W e^G K; the first also stores W, M, G and
-    # the normalised keys. PEEL: rows are nodes 1 .. NP, node 0 enters as column 0 of the
-    # extended W and M (solve_root, mix_root: [W_00; w_r0], [M_00; m_r0]) and row 0 of Q', K'.
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    h = hv // GROUP
-    H = HV // GROUP
-    n_b = tl.load(num_nodes + b)
-    pos = tl.arange(0, NP)
-    rows = PEEL + pos
-    q += b * stride_qb + h * stride_qh
-    k += b * stride_kb + h * stride_kh
-    g += b * stride_gb + hv * stride_gh
-    beta += b * stride_bb + hv * stride_bh
-    gate_sum += b * N * HV + hv
-    k_normed += b * N * H * K + h * K
-    solve += i_bh.to(tl.int64) * NP * NP
-    mix += i_bh.to(tl.int64) * NP * NP
-    q_eff += i_bh.to(tl.int64) * (PEEL + NP) * BK
-    k_eff += i_bh.to(tl.int64) * (PEEL + NP) * BK
-    first = i_c == 0
-
-    # Padding rows get G = 0 and zero keys (their loads are masked off), so every product
-    # below is zero there and the output kernel reads zeros.
-    g_r = path_sums(g, stride_gn, words, b * N, rows, n_b, W, BT)
-    gr_hi, gr_lo = fp32_pair(g_r)
-    if PEEL:  # node 0's products first, while few tiles are alive
-        k_k0, q_k0 = root_products(q, k, stride_qn, stride_qk, stride_kn, stride_kk, rows, n_b, K, BK, BKC,
-                                   PREC, LOWP_QK)
-        k0_sq = tl.zeros([BKC], dtype=tl.float32)
-        q0_sq = tl.zeros([BKC], dtype=tl.float32)
-        q0_k0 = tl.zeros([BKC], dtype=tl.float32)
-        for j in tl.static_range(BK // BKC):
-            ck = j * BKC + tl.arange(0, BKC)
-            k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
-            q0 = tl.load(q + ck * stride_qk, mask=ck < K, other=0.0).to(tl.float32)
-            k0_sq += k0 * k0
-            q0_sq += q0 * q0
-            q0_k0 += q0 * k0
-        rk0 = 1.0 / tl.sqrt(tl.sum(k0_sq) + 1e-6) if USE_L2 else tl.full([], 1.0, dtype=tl.float32)
-        rq0 = scale / tl.sqrt(tl.sum(q0_sq) + 1e-6) if USE_L2 else tl.full([], scale, dtype=tl.float32)
-        g0 = tl.load(g).to(tl.float32)
-        beta0 = tl.load(beta).to(tl.float32)
-        root = tl.zeros([1], dtype=tl.int32)
-        g_root = tl.zeros([1], dtype=tl.float32) + g0  # G_0 = g_0: a root sums its own gate only
-        decay0 = tl.sum(masked_decay(ancestor_bits(words, b * N, rows, root, W, n_b), gr_hi, gr_lo,
-                                     g_root, g_root * 0), axis=1)
-    # K K^T and the solve, then Q K^T: the two [NP, NP] products are never alive at once.
-    kk = tl.zeros([NP, NP], dtype=tl.float32)
-    k_sq = tl.zeros([NP], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        b_k = load_chunk(k, rows, j * BKC + tl.arange(0, BKC), stride_kn, stride_kk, n_b, K)
-        kk += dot_raw(b_k, tl.trans(b_k), PREC, LOWP_QK)
-        k_sq += tl.sum(b_k.to(tl.float32) * b_k.to(tl.float32), axis=1)
-    rk = 1.0 / tl.sqrt(k_sq + 1e-6) if USE_L2 else tl.full([NP], 1.0, dtype=tl.float32)
-    b_beta = tl.load(beta + rows * stride_bn, mask=rows < n_b, other=0.0).to(tl.float32)
-    decay = masked_decay(ancestor_bits(words, b * N, rows, rows, W, n_b), gr_hi, gr_lo, gr_hi, gr_lo)
-    a = tl.where(rows[:, None] > rows[None, :], kk * (rk[:, None] * rk[None, :]) * decay * b_beta[:, None], 0.0)
-    eye = tl.where(pos[:, None] == pos[None, :], 1.0, 0.0)
-    t = block_forward_solve(a, eye, NP, BT, PREC)
-    w_rr = t * b_beta[None, :]
-    if PEEL:
-        # Node 0: Delta_0 = beta_0 U_0, U_0 = v_0 - x_0 S0 with x_0 = e^{g_0} k_0 / |k_0|. The rows
-        # solve (I + A_rr) Delta_r = beta_r U_r - a_r0 Delta_0, so Delta_r gains w_r0 U_0,
-        # w_r0 = -beta_0 T_rr a_r0, and O_r gains m_r0 U_0, m_r0 = P_rr w_r0 + p_r0 beta_0.
-        w_r0 = -beta0 * tl.sum(t * (b_beta * rk * rk0 * k_k0 * decay0)[None, :], axis=1)
-    qk = tl.zeros([NP, NP], dtype=tl.float32)
-    q_sq = tl.zeros([NP], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        ck = j * BKC + tl.arange(0, BKC)
-        b_q = load_chunk(q, rows, ck, stride_qn, stride_qk, n_b, K)
-        qk += dot_raw(b_q, tl.trans(load_chunk(k, rows, ck, stride_kn, stride_kk, n_b, K)), PREC, LOWP_QK)
-        q_sq += tl.sum(b_q.to(tl.float32) * b_q.to(tl.float32), axis=1)
-    rq = scale / tl.sqrt(q_sq + 1e-6) if USE_L2 else tl.full([NP], scale, dtype=tl.float32)
-    p_rr = qk * (rq[:, None] * rk[None, :]) * decay
-    m_rr = tl.dot(p_rr, w_rr, input_precision=PREC)
-    e_g = tl.exp(gr_hi)
-    if PEEL:
-        m_r0 = tl.sum(p_rr * w_r0[None, :], axis=1) + rq * rk0 * q_k0 * decay0 * beta0
-        m_00 = rq0 * rk0 * tl.sum(q0_k0) * beta0
-        e_g0 = tl.exp(g0)
-        if first:
-            tl.store(gate_sum, g0.to(tl.float64))
-            tl.store(solve_root + i_bh * (NP + 1), beta0)
-            tl.store(mix_root + i_bh * (NP + 1), m_00)
-            tl.store(solve_root + i_bh * (NP + 1) + 1 + pos, w_r0)
-            tl.store(mix_root + i_bh * (NP + 1) + 1 + pos, m_r0)
-
-    if first:
-        tl.store(gate_sum + rows * HV, g_r, mask=rows < N)
-        at = pos[:, None] * NP + pos[None, :]
-        tl.store(solve + at, w_rr)
-        tl.store(mix + at, m_rr)
-    # This program's key columns: X = e^G K / |K| (fp32), K' = W X, Q' = e^G Q / |Q| - M X.
-    ck = i_c * BKC + tl.arange(0, BKC)
-    x = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K) * (e_g * rk)[:, None]
-    k_eff_r = tl.dot(w_rr, x, input_precision=PREC)
-    q_eff_r = load_rows(q, rows, ck, stride_qn, stride_qk, n_b, K) * (e_g * rq)[:, None]
-    q_eff_r -= tl.dot(m_rr, x, input_precision=PREC)
-    if PEEL:
-        k0 = tl.load(k + ck * stride_kk, mask=ck < K, other=0.0).to(tl.float32)
-        x0 = k0 * (e_g0 * rk0)
-        k_eff_r += w_r0[:, None] * x0[None, :]
-        q_eff_r -= m_r0[:, None] * x0[None, :]
-        q0 = tl.load(q + ck * stride_qk, mask=ck < K, other=0.0).to(tl.float32)
-        tl.store(q_eff + ck, q0 * (e_g0 * rq0) - m_00 * x0)
-        tl.store(k_eff + ck, beta0 * x0)
-        if hv % GROUP == 0:
-            tl.store(k_normed + ck, k0 * rk0, mask=ck < K)
-    at = rows[:, None] * BK + ck[None, :]
-    tl.store(k_eff + at, k_eff_r)
-    tl.store(q_eff + at, q_eff_r)
-    if hv % GROUP == 0:  # one program per key head stores the keys commit reads
-        k_rows = load_rows(k, rows, ck, stride_kn, stride_kk, n_b, K) * rk[:, None]
-        tl.store(k_normed + rows[:, None] * H * K + ck[None, :], k_rows, mask=(rows[:, None] < N) & (ck[None, :] < K))
-
-
-@triton.jit
-def _verify_factored_output_kernel(
-    v, state, slots, num_nodes, solve, mix, solve_root, mix_root, q_eff, k_eff, o, delta,
-    stride_vb, stride_vn, stride_vh, stride_vv,
-    stride_ss, stride_sh, stride_sk, stride_sv,
-    N, HV, K, V,
-    NP: tl.constexpr, PEEL: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    # O = Q' S0 + M V and Delta = W V - K' S0 for one (request, value head, BV value columns):
-    # independent products, no chain. PEEL adds node 0's column (v_0 times mix_root and
-    # solve_root) and solves its row alone.
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
-    b = (i_bh // HV).to(tl.int64)
-    hv = i_bh % HV
-    n_b = tl.load(num_nodes + b)
-    slot = tl.load(slots + b).to(tl.int64)
-    pos = tl.arange(0, NP)
-    rows = PEEL + pos
-    cv = i_v * BV + tl.arange(0, BV)
-    v += b * stride_vb + hv * stride_vh
-    state += slot * stride_ss + hv * stride_sh
-    q_eff += i_bh.to(tl.int64) * (PEEL + NP) * BK
-    k_eff += i_bh.to(tl.int64) * (PEEL + NP) * BK
-    out = b * N * HV * V + hv * V
-    o += out
-    delta += out
-
-    qs = tl.zeros([NP, BV], dtype=tl.float32)
-    ks = tl.zeros([NP, BV], dtype=tl.float32)
-    qs0 = tl.zeros([BV], dtype=tl.float32)
-    ks0 = tl.zeros([BV], dtype=tl.float32)
-    for j in tl.static_range(BK // BKC):
-        ck = j * BKC + tl.arange(0, BKC)
-        s0 = load_rows(state, ck, cv, stride_sk, stride_sv, K, V)
-        at = rows[:, None] * BK + ck[None, :]
-        qs = tl.dot(tl.load(q_eff + at), s0, qs, input_precision=PREC)
-        ks = tl.dot(tl.load(k_eff + at), s0, ks, input_precision=PREC)
-        if PEEL:
-            qs0 += tl.sum(tl.load(q_eff + ck)[:, None] * s0, axis=0)
-            ks0 += tl.sum(tl.load(k_eff + ck)[:, None] * s0, axis=0)
-    b_v = load_rows(v, rows, cv, stride_vn, stride_vv, n_b, V)
-    at = i_bh.to(tl.int64) * NP * NP + pos[:, None] * NP + pos[None, :]
-    b_o = tl.dot(tl.load(mix + at), b_v, qs, input_precision=PREC)
-    b_d = tl.dot(tl.load(solve + at), b_v, -ks, input_precision=PREC)
-    if PEEL:
-        v0 = tl.load(v + cv * stride_vv, mask=cv < V, other=0.0).to(tl.float32)
-        root_col = i_bh * (NP + 1) + 1 + pos
-        b_o += tl.load(mix_root + root_col)[:, None] * v0[None, :]
-        b_d += tl.load(solve_root + root_col)[:, None] * v0[None, :]
-        tl.store(o + cv, (qs0 + tl.load(mix_root + i_bh * (NP + 1)) * v0).to(o.dtype.element_ty), mask=cv < V)
-        tl.store(delta + cv, tl.load(solve_root + i_bh * (NP + 1)) * v0 - ks0, mask=cv < V)
-    out_mask = (rows[:, None] < N) & (cv[None, :] < V)
-    tl.store(delta + rows[:, None] * HV * V + cv[None, :], b_d, mask=out_mask)
-    tl.store(o + rows[:, None] * HV * V + cv[None, :], b_o.to(o.dtype.element_ty), mask=out_mask)
