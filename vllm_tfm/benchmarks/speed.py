@@ -226,9 +226,9 @@ def engine_kwargs(shapes: Shapes, runner: str, query_lens=lambda batch: (1 + DFL
     DFlash drafter's own forward has 1 + DFLASH_DRAFT_DEPTH query rows per request
     whatever the target's: its FULL graphs need those batch sizes too (without them V2
     runs a batch's draft round eagerly). A step schedules at most a prompt and the
-    largest decode step, whose requests vLLM's scheduler charges ``reserved_len`` = 1 + k
-    tokens each, k = num_speculative_tokens, whatever k the step drafts (at 1024 + 512
-    tokens the rule engine of k = 64 ran 23 of 32 requests, H100, 2026-12-07). Model runner
+    largest decode step at ``reserved_len`` = 1 + num_speculative_tokens tokens a request,
+    the most vLLM's scheduler charges one (at 1024 + 512 tokens the rule engine of k = 64
+    ran 23 of 32 requests, H100, 2026-12-07; 1536 / 65 = 23.6). Model runner
     V2's warm-up then verifies up to max_num_seqs requests of 1 + k rows, a group of
     requests at a time (``VERIFY_CHUNK_BYTES``: before it, 32 requests of 65 rows ran an
     H100 out of memory)."""
