@@ -92,6 +92,28 @@ def test_sessions_at_a_temperature_seed_each_request():
     assert [(p.temperature, p.seed) for p in added] == [(1.0, 0), (1.0, 1), (0.0, None)]
 
 
+def test_a_stalled_prefill_aborts_the_waiting_and_records_what_the_scheduler_charged():
+    """The scheduler keeps r2 waiting two steps while r0 and r1 decode: the session drops
+    it and records each running request's ask (65 tokens: 1 + 64 draft placeholders)."""
+    from types import SimpleNamespace
+
+    asking = SimpleNamespace(num_tokens_with_spec=1089, num_output_placeholders=0, num_computed_tokens=1024)
+    scheduler = SimpleNamespace(running=[asking, asking], waiting=["r2"], _spec_token_placeholders=[-1] * 64,
+                                scheduler_config=SimpleNamespace(max_num_batched_tokens=1536))
+    token = SimpleNamespace(token_ids=[7])
+    aborted = []
+    engine = SimpleNamespace(
+        add_request=lambda *args: None, abort_request=aborted.extend,
+        step=lambda: [SimpleNamespace(request_id=r, outputs=[token], finished=False) for r in ("r0", "r1")],
+        engine_core=SimpleNamespace(engine_core=SimpleNamespace(scheduler=scheduler)))
+    session = speed.Session(SimpleNamespace(llm_engine=engine), 100)
+    session.add(3, context=4, max_tokens=8)
+    session.prefill()
+    assert session.running == ["r0", "r1"] and aborted == ["r2"]
+    assert session.stalled_at == {"running": 2, "waiting": 1, "charged_tokens": [(65, 2)],
+                                  "draft_placeholders": 64, "max_num_batched_tokens": 1536}
+
+
 def _cell(batch, period, tree=None, budget=None):
     return {"context": 1024, "batch": batch, "tree": tree, "budget": budget,
             "period_ms": period, "drafting": 1.0, "target forward": period - 3,

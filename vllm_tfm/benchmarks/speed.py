@@ -334,6 +334,21 @@ def memory_capacity(llm, contexts: tuple[int, ...]) -> dict:
 
 # -- measuring -------------------------------------------------------------------------
 
+def scheduler_charges(scheduler) -> dict:
+    """What vLLM's scheduler holds when it admits no more requests: its running and waiting
+    counts, how many running requests ask the next step for how many tokens (its own
+    ``num_new_tokens`` before the budget caps it: the query plus the draft placeholders),
+    the async scheduler's placeholders a request (None: a synchronous scheduler) and the
+    step's token budget."""
+    charged = collections.Counter(r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens
+                                  for r in scheduler.running)
+    placeholders = getattr(scheduler, "_spec_token_placeholders", None)
+    return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
+            "charged_tokens": sorted(charged.items()),
+            "draft_placeholders": None if placeholders is None else len(placeholders),
+            "max_num_batched_tokens": scheduler.scheduler_config.max_num_batched_tokens}
+
+
 class Session:
     """One engine's requests, stepped by hand (``LLMEngine.step``)."""
 
@@ -345,6 +360,8 @@ class Session:
         self.running: list[str] = []
         self.generated: dict[str, int] = {}
         self.counter = 0
+        # scheduler_charges when the last prefill stalled and aborted requests, else None.
+        self.stalled_at: dict | None = None
 
     def add(self, count: int, context: int, max_tokens: int) -> None:
         from vllm import SamplingParams
@@ -377,11 +394,13 @@ class Session:
         are aborted, so a batch is what the engine can run at once."""
         scheduler = _engine_core(self.llm).scheduler
         stalled = 0
+        self.stalled_at = None
         while any(self.generated[r] == 0 for r in self.running):
             self.step()
             started = sum(self.generated[r] > 0 for r in self.running)
             stalled = stalled + 1 if scheduler.waiting and started == len(scheduler.running) else 0
             if stalled >= 2:
+                self.stalled_at = scheduler_charges(scheduler)
                 waiting = [r for r in self.running if self.generated[r] == 0]
                 self.running = [r for r in self.running if self.generated[r] > 0]
                 self.engine.abort_request(waiting)
@@ -551,6 +570,9 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                 session.add(batch - len(session.running), context,
                             max_tokens=room - max_budget)
                 session.prefill()
+                if session.stalled_at is not None:
+                    log(f"  {batch} requests asked, {len(session.running)} admitted; the scheduler "
+                        f"then: {session.stalled_at}")
                 if len(session.running) == measured:
                     break  # the memory admits no more requests
                 measured = len(session.running)
@@ -564,7 +586,8 @@ def run_method(method: str, models: dict, shapes: Shapes, runner: str, settings,
                             f"{runner} drafts only the engine's own tree")
                         continue
                     cell = {"context": context, "tree": tree, "budget": budget,
-                            "requested_batch": batch, **measure_cell(session, shapes.steps)}
+                            "requested_batch": batch, "stalled_at": session.stalled_at,
+                            **measure_cell(session, shapes.steps)}
                     result["cells"].append(cell)
                     phases = ", ".join(f"{name} {_f(cell[name])}" for name in PHASES)
                     setting = f"{tree} {budget or 'rule'}" if tree else ""
