@@ -44,8 +44,8 @@ def test_cuda_engines_capture_full_decode_graphs_with_or_without_torch_compile(c
     rule = speed.engine_kwargs(shapes, "v2", query_lens=lambda b: (1 + speed.rule_budget(64, b),),
                                reserved_len=65)
     assert rule["compilation_config"]["cudagraph_capture_sizes"] == [1, 8, 16, 65, 128, 136]
-    # vLLM's scheduler charges every decoding request 1 + num_speculative_tokens: a prompt
-    # beside 8 requests of 65 tokens, though the rule's steps at batch 8 draft 16.
+    # A prompt beside 8 requests at 1 + num_speculative_tokens = 65 tokens each, the most
+    # vLLM's scheduler charges one, though the rule's steps at batch 8 draft 16.
     assert rule["max_num_batched_tokens"] == 1024 + 8 * 65
     assert kwargs["max_num_batched_tokens"] == 1024 + 520
 
